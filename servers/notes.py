@@ -1,0 +1,244 @@
+"""Notes and todos kept in SQLite, as MCP tools.
+
+One table holds both kinds: a *note* is text to remember, a *todo* is text that can be
+completed. Each lives in a named list ("groceries", "work"; "inbox" when none is given);
+list names are trimmed and case-folded so "Groceries " and "groceries" are one list.
+Search matches every word of the query as a case-insensitive substring of the text.
+
+The server runs sync tools in worker threads, so the one connection is shared behind a
+lock; WAL lets other processes read the file while this one writes. Ids come from
+AUTOINCREMENT so a deleted note's id is never reused: an id a model remembers can never
+come to mean a different note.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+import weakref
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Literal
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import BaseModel, Field
+
+DEFAULT_LIST = "inbox"
+DEFAULT_DB_PATH = "~/.local/share/whet/notes.db"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS notes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    text TEXT NOT NULL,
+    list TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('note', 'todo')),
+    created_at TEXT NOT NULL,
+    completed_at TEXT
+);
+CREATE INDEX IF NOT EXISTS notes_by_list ON notes (list, kind);
+"""
+_COLUMNS = "id, text, list, kind, created_at, completed_at"
+
+Kind = Literal["note", "todo"]
+
+
+class NoteError(ToolError):
+    """A request the notebook cannot honour (unknown id, empty text, ...); tools answer it as isError."""
+
+
+class Note(BaseModel):
+    id: int
+    text: str
+    list: str
+    kind: Kind
+    done: bool = Field(description="True for a completed todo; always False for a note.")
+    created_at: str
+    completed_at: str | None
+
+
+class NoteList(BaseModel):
+    count: int
+    truncated: bool = Field(description="True when more matched than the limit; narrow or raise it.")
+    notes: list[Note]
+
+
+class Deleted(BaseModel):
+    deleted: Note
+
+
+def _list_name(name: str) -> str:
+    return " ".join(name.split()).casefold() or DEFAULT_LIST
+
+
+def _casefold(text: str | None) -> str | None:
+    return None if text is None else text.casefold()
+
+
+def _note(row: tuple) -> Note:
+    note_id, text, list_name, kind, created_at, completed_at = row
+    done = completed_at is not None
+    return Note(id=note_id, text=text, list=list_name, kind=kind, done=done, created_at=created_at,
+                completed_at=completed_at)
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class NoteBook:
+    """The notes table behind one locked connection. Methods raise NoteError for caller mistakes."""
+
+    def __init__(self, db_path: str | Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, timeout=10.0)
+        self._db.create_function("casefold", 1, _casefold, deterministic=True)
+        self._db.execute("PRAGMA journal_mode=WAL")  # a no-op answer of "memory" for ":memory:"
+        with self._lock, self._db:
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def add(self, text: str, list_name: str, kind: Kind) -> Note:
+        body = text.strip()
+        if not body:
+            raise NoteError("The text is empty; give the note or todo some words.")
+        with self._lock, self._db:
+            cursor = self._db.execute(
+                "INSERT INTO notes (text, list, kind, created_at) VALUES (?, ?, ?, ?)",
+                (body, _list_name(list_name), kind, _utc_now()),
+            )
+            assert cursor.lastrowid is not None
+            return self._get(cursor.lastrowid)
+
+    def find(
+        self, words: list[str], list_name: str | None, kind: Kind | None, include_completed: bool, limit: int
+    ) -> NoteList:
+        """Notes matching every filter given, oldest first, at most `limit`; a blank list name means all."""
+        clauses, params = ["instr(casefold(text), ?) > 0" for _ in words], [w.casefold() for w in words]
+        if list_name is not None and list_name.strip():
+            clauses.append("list = ?")
+            params.append(_list_name(list_name))
+        if kind is not None:
+            clauses.append("kind = ?")
+            params.append(kind)
+        if not include_completed:
+            clauses.append("completed_at IS NULL")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM notes {where} ORDER BY id LIMIT ?", (*params, limit + 1)
+            ).fetchall()
+        notes = [_note(row) for row in rows[:limit]]
+        return NoteList(count=len(notes), truncated=len(rows) > limit, notes=notes)
+
+    def complete(self, note_id: int) -> Note:
+        """Mark a todo done; completing a done todo again changes nothing."""
+        with self._lock, self._db:
+            note = self._get(note_id)
+            if note.kind != "todo":
+                raise NoteError(f"Item {note_id} is a note, not a todo, so it cannot be completed.")
+            if not note.done:
+                self._db.execute("UPDATE notes SET completed_at = ? WHERE id = ?", (_utc_now(), note_id))
+            return self._get(note_id)
+
+    def delete(self, note_id: int) -> Note:
+        with self._lock, self._db:
+            note = self._get(note_id)
+            self._db.execute("DELETE FROM notes WHERE id = ?", (note_id,))
+            return note
+
+    def _get(self, note_id: int) -> Note:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM notes WHERE id = ?", (note_id,)).fetchone()
+        if row is None:
+            raise NoteError(f"There is no note or todo with id {note_id}; list_notes shows the ids.")
+        return _note(row)
+
+
+def _annotations(*, read_only: bool, destructive: bool, idempotent: bool) -> ToolAnnotations:
+    return ToolAnnotations(
+        readOnlyHint=read_only, destructiveHint=destructive, idempotentHint=idempotent, openWorldHint=False
+    )
+
+
+_ADDS = _annotations(read_only=False, destructive=False, idempotent=False)
+_READS = _annotations(read_only=True, destructive=False, idempotent=True)
+_COMPLETES = _annotations(read_only=False, destructive=False, idempotent=True)
+_DELETES = _annotations(read_only=False, destructive=True, idempotent=True)
+_ListName = Annotated[str | None, Field(description="Only this list, e.g. 'groceries'; omit for every list.")]
+_KindFilter = Annotated[Kind | None, Field(description="Only notes or only todos; omit for both.")]
+_Limit = Annotated[int, Field(ge=1, le=500, description="Most items to return.")]
+_NoteId = Annotated[int, Field(description="The id shown by add_note, list_notes or search_notes.")]
+
+
+def build_server(db_path: str | Path) -> MCPServer:
+    """An MCP server over the notebook at `db_path` (":memory:" for a throwaway one); creates the tables."""
+    notebook = NoteBook(db_path)
+    server = MCPServer(
+        "whet-notes",
+        instructions="The user's notes and todo lists (groceries, work, ...). Ids identify items for "
+        "complete_todo and delete_note.",
+    )
+    weakref.finalize(server, notebook.close)  # the connection lives exactly as long as the server
+
+    @server.tool(title="Add note or todo", annotations=_ADDS)
+    def add_note(
+        text: Annotated[str, Field(min_length=1, max_length=10_000, description="What to remember or do.")],
+        list_name: Annotated[str, Field(max_length=100, description="e.g. 'groceries'.")] = DEFAULT_LIST,
+        kind: Annotated[Kind, Field(description="'todo' for something to do and tick off.")] = "note",
+    ) -> Note:
+        """Save a note or a todo in a named list (default 'inbox'). Returns it with its id."""
+        return notebook.add(text, list_name, kind)
+
+    @server.tool(title="List notes", annotations=_READS)
+    def list_notes(
+        list_name: _ListName = None,
+        kind: _KindFilter = None,
+        include_completed: bool = False,
+        limit: _Limit = 50,
+    ) -> NoteList:
+        """List notes and todos, oldest first; completed todos are left out unless include_completed."""
+        return notebook.find([], list_name, kind, include_completed, limit)
+
+    @server.tool(title="Search notes", annotations=_READS)
+    def search_notes(
+        query: Annotated[str, Field(min_length=1, description="Words that must all appear in the text.")],
+        list_name: _ListName = None,
+        kind: _KindFilter = None,
+        include_completed: bool = True,
+        limit: _Limit = 50,
+    ) -> NoteList:
+        """Find notes and todos whose text contains every word of the query, case-insensitively."""
+        words = query.split()
+        if not words:
+            raise NoteError("The query is empty; give at least one word to search for.")
+        return notebook.find(words, list_name, kind, include_completed, limit)
+
+    @server.tool(title="Complete todo", annotations=_COMPLETES)
+    def complete_todo(note_id: _NoteId) -> Note:
+        """Mark a todo as done (it stays stored; list_notes hides it unless include_completed)."""
+        return notebook.complete(note_id)
+
+    @server.tool(title="Delete note or todo", annotations=_DELETES)
+    def delete_note(note_id: _NoteId) -> Deleted:
+        """Delete a note or todo for good by id. Returns what was deleted."""
+        return Deleted(deleted=notebook.delete(note_id))
+
+    return server
+
+
+def main() -> None:
+    """Serve the notebook at argv[1], else $WHET_NOTES_DB, else ~/.local/share/whet/notes.db, over stdio."""
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("WHET_NOTES_DB", DEFAULT_DB_PATH))
+    path = path.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    build_server(path).run("stdio")
+
+
+if __name__ == "__main__":
+    main()
