@@ -1,0 +1,50 @@
+"""Recording experience: store first, then the event.
+
+Every write that others react to goes through :class:`Experience`, so the
+rule "the store commits first; only then is an event published" lives in one
+place. Events carry ids only; a consumer that was away catches up from the
+store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from whet.memory.bus import FEEDBACK_ADDED, TURN_CLOSED, Bus
+from whet.memory.store import Feedback, Store, Turn, TurnCreate
+
+
+class Experience:
+    def __init__(self, store: Store, bus: Bus) -> None:
+        self.store = store
+        self.bus = bus
+
+    async def record(self, turn: TurnCreate, turn_id: str | None = None) -> Turn:
+        return await self.store.add_turn(turn, turn_id=turn_id)
+
+    async def close(self, turn_id: str, kind: str, next_state: dict[str, Any]) -> Turn | None:
+        """Close a turn with the next state that followed it; None when it was already closed."""
+        turn = await self.store.close_turn(turn_id, kind, next_state)
+        if turn is not None:
+            await self.bus.publish(
+                TURN_CLOSED,
+                {"turn_id": turn.id, "session_id": turn.session_id, "user_id": turn.user_id, "kind": kind},
+            )
+        return turn
+
+    async def close_open(self, session_id: str, kind: str, next_state: dict[str, Any]) -> list[Turn]:
+        """Close every turn of the session still waiting for its next state."""
+        closed = []
+        for turn in await self.store.open_turns(session_id):
+            done = await self.close(turn.id, kind, next_state)
+            if done is not None:
+                closed.append(done)
+        return closed
+
+    async def feedback(self, turn: Turn, score: float, text: str | None) -> tuple[Feedback, bool]:
+        """Store feedback; it also closes the turn when nothing else has. Returns (row, closed_now)."""
+        row = await self.store.add_feedback(turn.id, turn.user_id, score, text)
+        closed = await self.close(turn.id, "feedback", {"feedback_id": row.id, "score": score, "text": text})
+        event = {"feedback_id": row.id, "turn_id": turn.id, "user_id": turn.user_id}
+        await self.bus.publish(FEEDBACK_ADDED, event)
+        return row, closed is not None

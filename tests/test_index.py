@@ -1,0 +1,120 @@
+"""Retrieval memory: per-user lesson search with both embedders."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from whet.memory import HashingEmbedder, Lesson, LessonIndex, MiniLMEmbedder, open_embedder
+
+LESSONS = [
+    (1, "alice", "Alice lives in Berlin, so give times in the Europe/Berlin time zone."),
+    (2, "alice", "Alice prefers answers in metric units like kilometres and celsius."),
+    (3, "alice", "When Alice asks for code, answer in Python with type hints."),
+    (4, "bob", "Bob lives in Tokyo, so give times in the Asia/Tokyo time zone."),
+    (5, "bob", "Bob likes short answers without greetings."),
+]
+
+
+@pytest.fixture(scope="module")
+def minilm() -> MiniLMEmbedder:
+    return MiniLMEmbedder()
+
+
+@pytest.fixture(params=["hashing", "minilm"])
+def embedder(request, minilm):
+    return HashingEmbedder() if request.param == "hashing" else minilm
+
+
+def test_hashing_embedder_is_deterministic_normalised_and_scores_similar_texts_higher():
+    embedder = HashingEmbedder(dim=256)
+    vectors = embedder.embed(["the time zone in Berlin", "time zone of berlin", "bake a chocolate cake"])
+    assert vectors.shape == (3, 256) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(vectors, HashingEmbedder(dim=256).embed(
+        ["the time zone in Berlin", "time zone of berlin", "bake a chocolate cake"]))  # fmt: skip
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
+
+
+def test_minilm_embedder_loads_offline_from_the_package_and_normalises(minilm):
+    vectors = minilm.embed(["what time is it in Berlin?", "current time in Berlin", "a recipe for soup"])
+    assert vectors.shape == (3, 384) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-4)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]
+
+
+def test_open_embedder_chooses_by_kind():
+    assert isinstance(open_embedder("hashing"), HashingEmbedder)
+    assert isinstance(open_embedder("minilm"), MiniLMEmbedder)
+    assert isinstance(open_embedder("auto"), MiniLMEmbedder)  # installed here
+    with pytest.raises(ValueError, match="'auto', 'minilm' or 'hashing'"):
+        open_embedder("word2vec")
+
+
+def test_relevant_lesson_ranks_first(embedder):
+    index = LessonIndex(embedder)
+    index.add_many(LESSONS)
+    hits = index.search("alice", "what time is it right now in my time zone?", k=3)
+    assert [h.lesson_id for h in hits][0] == 1
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert index.search("alice", "write me a python function", k=1)[0].lesson_id == 3
+
+
+def test_search_never_returns_another_users_lesson(embedder):
+    index = LessonIndex(embedder)
+    index.add_many(LESSONS)
+    # Bob's Tokyo lesson is the nearest vector to this query, yet Alice must not see it
+    hits = index.search("alice", "Bob lives in Tokyo, so give times in the Asia/Tokyo time zone.", k=10)
+    assert {h.user_id for h in hits} == {"alice"}
+    assert {h.lesson_id for h in hits} == {1, 2, 3}
+    assert index.search("carol", "time zone", k=5) == []
+
+
+def test_adding_a_lesson_id_again_replaces_it():
+    index = LessonIndex(HashingEmbedder())
+    index.add(7, "alice", "old text about gardening")
+    index.add(7, "alice", "new text about sailing")
+    assert len(index) == 1
+    assert index.search("alice", "sailing", k=5)[0].text == "new text about sailing"
+
+
+def test_remove_user_forgets_only_that_users_lessons():
+    index = LessonIndex(HashingEmbedder())
+    index.add_many(LESSONS)
+    assert index.remove_user("alice") == 3
+    assert len(index) == 2
+    assert index.search("alice", "time zone", k=5) == []
+    assert [h.lesson_id for h in index.search("bob", "time zone", k=1)] == [4]
+    assert index.remove_user("alice") == 0
+
+
+def test_rebuild_replaces_the_index_with_the_stores_lessons():
+    index = LessonIndex(HashingEmbedder())
+    index.add(99, "alice", "a lesson the store no longer has")
+    index.rebuild(Lesson(id=i, user_id=u, text=t) for i, u, t in LESSONS)
+    assert len(index) == len(LESSONS)
+    assert all(h.lesson_id != 99 for h in index.search("alice", "a lesson the store no longer has", k=5))
+    assert index.search("bob", "greetings", k=1)[0].lesson_id == 5
+
+
+def test_index_survives_concurrent_adds_and_searches():
+    index = LessonIndex(HashingEmbedder())
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for i in range(50):
+                lesson_id = worker * 1000 + i
+                index.add(lesson_id, f"user{worker}", f"lesson {i} for worker {worker}")
+                assert all(h.user_id == f"user{worker}" for h in index.search(f"user{worker}", "lesson", 5))
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(index) == 200
