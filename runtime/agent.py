@@ -1,0 +1,281 @@
+"""The agent loop: context -> generate -> act through MCP -> record, until a final answer.
+
+One chat request runs the loop for up to ``max_steps`` model actions. Every
+action is recorded as a Turn with the engine's own token ids and log-probs;
+a tool result closes its turn at once, and the final answer's turn stays
+open until the user's next message or explicit feedback closes it.
+
+The adapter is pinned when the request starts: a swap that happens while the
+request runs does not change the adapter it finishes on.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+
+from whet.config.settings import AgentConfig
+from whet.memory.experience import Experience
+from whet.memory.index import LessonIndex
+from whet.memory.store import Turn, TurnCreate
+from whet.runtime.chat_format import TOOL_CALL_OPEN
+from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
+from whet.runtime.tools import ToolPool
+
+log = structlog.get_logger()
+
+
+@dataclass
+class TurnRequest:
+    user_id: str
+    session_id: str
+    messages: list[dict[str, Any]]  # OpenAI dicts, as the client sent them
+    client_tools: list[dict[str, Any]]  # tools the client executes itself
+    params: SamplingParams
+    adapter: str | None  # pinned for the whole request
+    request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex)
+
+
+@dataclass
+class AgentResult:
+    turn: Turn  # the last recorded turn; its id is the response id
+    content: str
+    client_tool_calls: list[ToolCall]
+    finish_reason: str
+    usage: dict[str, int]
+    messages: list[dict[str, Any]]  # the conversation as the model saw it, reply included
+
+
+@dataclass
+class Delta:
+    text: str
+    turn_id: str  # the turn this text belongs to (ids are assigned before generation)
+
+
+class Agent:
+    def __init__(
+        self,
+        backend: PolicyBackend,
+        tools: ToolPool,
+        experience: Experience,
+        index: LessonIndex,
+        config: AgentConfig,
+        metrics: Any = None,
+    ) -> None:
+        self.backend = backend
+        self.tools = tools
+        self.experience = experience
+        self.index = index
+        self.config = config
+        self.metrics = metrics
+
+    async def run(self, request: TurnRequest) -> AgentResult:
+        async for event in self.events(request):
+            if isinstance(event, AgentResult):
+                return event
+        raise RuntimeError("agent loop ended without a result")  # pragma: no cover
+
+    async def events(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
+        """Text deltas of what the model says to the user, then one AgentResult."""
+        messages = await self._context(request)
+        tools = self._tool_specs(request, messages)
+        client_names = {t["function"]["name"] for t in request.client_tools}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for step in range(self.config.max_steps):
+            turn_id, generation = new_turn_id(), None
+            async for item in self._generate(messages, tools, request):
+                if isinstance(item, Generation):
+                    generation = item
+                else:
+                    yield Delta(item, turn_id)
+            assert generation is not None
+            for key, value in generation.usage.items():
+                usage[key] += value
+            turn = await self._record(request, turn_id, step, messages, tools, generation)
+            calls, errors = generation.tool_calls, generation.tool_call_errors
+            if not calls and not errors:
+                messages.append({"role": "assistant", "content": generation.content})
+                yield self._result(turn, generation.content, [], generation.finish_reason, usage, messages)
+                return
+            client_calls = [c for c in calls if c.name in client_names]
+            if client_calls:
+                messages.append(_assistant_message(generation.content, client_calls))
+                yield self._result(turn, generation.content, client_calls, "tool_calls", usage, messages)
+                return
+            results = await self._act(calls, errors)
+            messages.append(_assistant_message(generation.content, calls))
+            messages.extend(results)
+            await self.experience.close(turn.id, "tool_result", {"results": results})
+        content = generation.content or f"I stopped after {self.config.max_steps} tool steps without a final answer."
+        yield self._result(turn, content, [], "length", usage, messages)
+
+    def _result(self, turn, content, calls, finish, usage, messages) -> AgentResult:
+        return AgentResult(turn, content, calls, finish, dict(usage), messages)
+
+    async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
+        messages = [dict(m) for m in request.messages]
+        lessons = await self._lessons(request.user_id, _last_user_text(messages))
+        system = self.config.system_prompt
+        if messages and messages[0]["role"] == "system":
+            system = messages.pop(0)["content"] or ""
+        if lessons:
+            system += "\n\nLessons from earlier conversations with this user:\n" + "\n".join(f"- {t}" for t in lessons)
+        return [{"role": "system", "content": system}, *messages]
+
+    async def _lessons(self, user_id: str, query: str) -> list[str]:
+        if self.config.lessons_k == 0 or not query or len(self.index) == 0:
+            return []
+        hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
+        chosen, budget = [], self.config.lesson_token_budget
+        for hit in hits:
+            cost = _approx_tokens(hit.text)
+            if cost > budget:
+                break
+            chosen.append(hit.text)
+            budget -= cost
+        return chosen
+
+    def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        infos = self.tools.tools()
+        if len(infos) > self.config.tools_k:
+            infos = self._relevant_tools(infos, _last_user_text(messages))
+        return self.tools.openai_tools([i.name for i in infos]) + list(request.client_tools)
+
+    def _relevant_tools(self, infos, query: str):
+        """Narrow a long tool list to the tools_k most similar to the request."""
+        embedder = self.index.embedder
+        vectors = embedder.embed([f"{i.name}: {i.description}" for i in infos])
+        scores = vectors @ embedder.embed([query])[0]
+        ranked = sorted(zip(scores.tolist(), range(len(infos))), reverse=True)[: self.config.tools_k]
+        return [infos[i] for _, i in ranked]
+
+    async def _generate(self, messages, tools, request: TurnRequest) -> AsyncIterator[str | Generation]:
+        """Stream user-visible text; hold back anything that may be tool-call markup."""
+        held, silent = "", False
+        async for item in self.backend.stream(messages, tools, request.params, request.adapter):
+            if isinstance(item, Generation):
+                if not silent and not item.tool_calls and not item.tool_call_errors and held:
+                    yield held
+                yield item
+                return
+            if silent:
+                continue
+            held += item
+            if TOOL_CALL_OPEN in held:
+                before = held.split(TOOL_CALL_OPEN, 1)[0]
+                if before.strip():
+                    yield before
+                silent = True
+                continue
+            safe = _safe_prefix(held)
+            if safe:
+                yield safe
+                held = held[len(safe):]
+
+    async def _record(self, request, turn_id, step, messages, tools, generation: Generation) -> Turn:
+        turn = await self.experience.record(
+            TurnCreate(
+                session_id=request.session_id,
+                user_id=request.user_id,
+                request_id=request.request_id,
+                step=step,
+                model=self.backend.model_name,
+                policy_version=generation.adapter,
+                prompt_messages=[dict(m) for m in messages],
+                tool_names=[t["function"]["name"] for t in tools],
+                prompt_token_ids=generation.prompt_token_ids,
+                response_text=generation.text,
+                response_token_ids=generation.token_ids,
+                response_logprobs=generation.logprobs,
+                tool_calls=[c.to_openai() for c in generation.tool_calls],
+            ),
+            turn_id,
+        )
+        if self.metrics is not None:
+            self.metrics.turn_recorded(generation)
+        return turn
+
+    async def _act(self, calls: list[ToolCall], errors: list[str]) -> list[dict[str, Any]]:
+        """Run the tool calls concurrently; every problem becomes a tool-error message."""
+        results: list[dict[str, Any]] = [{}] * len(calls)
+
+        async def one(i: int, call: ToolCall) -> None:
+            result = await self.tools.call(call.name, call.arguments)
+            if self.metrics is not None:
+                self.metrics.tool_called(result.server or "unknown", result.is_error)
+            content = f"error: {result.content}" if result.is_error else result.content
+            results[i] = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+
+        async with anyio.create_task_group() as tg:
+            for i, call in enumerate(calls):
+                tg.start_soon(one, i, call)
+        for n, error in enumerate(errors):
+            results.append(
+                {"role": "tool", "tool_call_id": f"call_invalid_{n}", "name": "invalid", "content": f"error: {error}"}
+            )
+        return results
+
+
+def new_turn_id() -> str:
+    return "turn_" + uuid.uuid4().hex
+
+
+def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message["role"] == "user":
+            return message.get("content") or ""
+    return ""
+
+
+def _approx_tokens(text: str) -> int:
+    return len(text) // 4 + 1
+
+
+def _safe_prefix(text: str) -> str:
+    """The part of ``text`` that cannot be the start of a tool-call tag."""
+    cut = text.rfind("<")
+    if cut == -1:
+        return text
+    tail = text[cut:]
+    if TOOL_CALL_OPEN.startswith(tail):
+        return text[:cut]
+    return text
+
+
+def conversation_hash(user_id: str, messages: list[dict[str, Any]]) -> str:
+    """A stable hash of a conversation, robust to how a client re-serialises it.
+
+    Used to find the session a plain OpenAI client's request continues: the
+    history it sends equals the conversation as it stood after our last reply.
+    """
+    import hashlib
+
+    canon = []
+    for m in messages:
+        calls = [
+            (c["function"]["name"], _canonical_args(c["function"].get("arguments", "{}")))
+            for c in (m.get("tool_calls") or [])
+        ]
+        role = "system" if m["role"] == "developer" else m["role"]
+        canon.append([role, (m.get("content") or "").strip(), calls])
+    blob = json.dumps([user_id, canon], ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _canonical_args(arguments: str | dict[str, Any]) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)

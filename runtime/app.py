@@ -1,0 +1,296 @@
+"""The HTTP service: ``create_app(config)``.
+
+OpenAI-compatible chat completions (plain and SSE streaming) served by the
+agent loop, plus feedback, turns, tools, models, health and metrics. Every
+error a client can cause comes back as a 4xx with an OpenAI-style
+``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import structlog
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from whet.config.settings import WhetConfig
+from whet.memory.store import TurnPublic
+from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, new_turn_id
+from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
+from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from whet.runtime.policy import SamplingParams
+from whet.runtime.schemas import (
+    ChatCompletionRequest,
+    FeedbackAck,
+    FeedbackRequest,
+    ModelCard,
+    ModelList,
+    ToolPublic,
+)
+from whet.runtime.state import Resources, open_resources
+
+log = structlog.get_logger()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def get_resources(request: Request) -> Resources:
+    return request.app.state.resources
+
+
+ResourcesDep = Annotated[Resources, Depends(get_resources)]
+
+
+def authenticated_user(request: Request, res: ResourcesDep) -> str | None:
+    """The user a bearer key maps to; None when no keys are configured (auth off)."""
+    keys = res.config.server.api_keys
+    if not keys:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        for key, user in keys.items():
+            if hmac.compare_digest(key.encode(), token.strip().encode()):
+                structlog.contextvars.bind_contextvars(user=user)
+                return user
+    raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+AuthDep = Annotated[str | None, Depends(authenticated_user)]
+
+
+def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
+    """Build the service. ``twins`` (backend=, tools=, embedder=) replace real resources in tests."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with open_resources(config, **twins) as resources:
+            app.state.resources = resources
+            yield
+
+    app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(RequestContextMiddleware)
+    _install_error_handlers(app)
+    _install_routes(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {first.get('msg')}", code="invalid_value", param=where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", path=request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); the server log has details")
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        res: ResourcesDep,
+        auth_user: AuthDep,
+        x_whet_session: Annotated[str | None, Header(max_length=128)] = None,
+    ) -> Response:
+        if body.model not in (res.model_name, res.backend.model_name):
+            raise ApiError(
+                404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
+                param="model",
+            )
+        request = await _turn_request(res, body, auth_user, x_whet_session)
+        headers = {"X-Whet-Session": request.session_id, "X-Whet-Request": request.request_id}
+        if body.stream:
+            stream = _stream(res, body, request)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        started = time.perf_counter()
+        try:
+            result = await res.agent.run(request)
+        except ValueError as exc:  # the backend refuses bad input (e.g. a prompt over the context)
+            raise ApiError(400, str(exc), code="invalid_request") from None
+        res.metrics.latency.observe(time.perf_counter() - started)
+        await _remember_tip(res, request, result)
+        headers["X-Whet-Turn"] = result.turn.id
+        return JSONResponse(completion_body(result, res.model_name), headers=headers)
+
+    @app.post("/v1/feedback", status_code=201)
+    async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
+        turn = await _owned_turn(res, body.turn_id, auth_user)
+        row, closed = await res.experience.feedback(turn, body.numeric_score(), body.text)
+        res.metrics.feedback.inc()
+        return FeedbackAck(id=row.id, turn_id=turn.id, score=row.score, closed_turn=closed)
+
+    @app.get("/v1/turns")
+    async def list_turns(
+        res: ResourcesDep,
+        auth_user: AuthDep,
+        session: str | None = None,
+        user: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    ) -> list[TurnPublic]:
+        if auth_user is not None:
+            user = auth_user
+        turns = await res.store.list_turns(session_id=session, user_id=user, limit=limit)
+        return [TurnPublic.model_validate(t, from_attributes=True) for t in turns]
+
+    @app.get("/v1/turns/{turn_id}")
+    async def get_turn(turn_id: str, res: ResourcesDep, auth_user: AuthDep) -> TurnPublic:
+        turn = await _owned_turn(res, turn_id, auth_user)
+        return TurnPublic.model_validate(turn, from_attributes=True)
+
+    @app.get("/v1/models")
+    async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:
+        card = ModelCard(
+            id=res.model_name, created=int(res.started_at), backend=res.config.model.backend,
+            adapter=res.adapters.current(auth_user or res.config.server.default_user),
+        )
+        return ModelList(data=[card])
+
+    @app.get("/v1/tools")
+    async def tools(res: ResourcesDep, auth_user: AuthDep) -> list[ToolPublic]:
+        return [
+            ToolPublic(
+                name=t.name, server=t.server, description=t.description, input_schema=t.input_schema,
+                annotations=t.annotations,
+            )
+            for t in res.tools.tools()
+        ]
+
+    @app.get("/health")
+    async def health(res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": res.model_name,
+            "adapter": res.adapters.live_version(),
+            "servers": res.tools.status(),
+            "uptime_s": round(time.time() - res.started_at, 1),
+        }
+
+    @app.get("/metrics")
+    async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
+        res.metrics.tools_available.set(len(res.tools.tools()))
+        return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):
+    turn = await res.store.get_turn(turn_id)
+    if turn is None or (auth_user is not None and turn.user_id != auth_user):
+        raise ApiError(404, f"turn '{turn_id}' not found", code="turn_not_found", param="turn_id")
+    return turn
+
+
+async def _turn_request(
+    res: Resources, body: ChatCompletionRequest, auth_user: str | None, explicit_session: str | None
+) -> TurnRequest:
+    user_id = auth_user or body.user or res.config.server.default_user
+    structlog.contextvars.bind_contextvars(user=user_id)
+    messages = [m.to_openai() for m in body.messages]
+    await res.store.ensure_user(user_id)
+    session_id = await _session_for(res, user_id, explicit_session, messages)
+    structlog.contextvars.bind_contextvars(session=session_id)
+    # the new messages are the next state of whatever this session left open
+    trailing = new_session_messages(messages)
+    kind = "tool_result" if trailing[0]["role"] == "tool" else "user_message"
+    await res.experience.close_open(session_id, kind, {"messages": trailing})
+    model = res.config.model
+    params = SamplingParams(
+        max_new_tokens=min(body.max_completion_tokens or body.max_tokens or model.max_new_tokens, model.max_new_tokens),
+        temperature=model.temperature if body.temperature is None else body.temperature,
+        top_p=model.top_p if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=body.stop_list,
+    )
+    client_tools = [t.model_dump() for t in body.tools or []]
+    return TurnRequest(user_id, session_id, messages, client_tools, params, res.adapters.current(user_id))
+
+
+async def _session_for(res: Resources, user_id: str, explicit: str | None, messages: list[dict[str, Any]]) -> str:
+    if explicit:
+        try:
+            return (await res.store.create_session(user_id, explicit)).id
+        except PermissionError:
+            raise ApiError(403, f"session '{explicit}' belongs to another user", code="session_forbidden") from None
+    history = messages[: len(messages) - len(new_session_messages(messages))]
+    if any(m["role"] == "assistant" for m in history):
+        found = await res.store.find_session_by_tip(user_id, conversation_hash(user_id, history))
+        if found is not None:
+            return found.id
+    return (await res.store.create_session(user_id)).id
+
+
+async def _remember_tip(res: Resources, request: TurnRequest, result: AgentResult) -> None:
+    """Remember how the conversation stands, so the client's next request finds this session."""
+    reply: dict[str, Any] = {"role": "assistant", "content": result.content}
+    if result.client_tool_calls:
+        reply["tool_calls"] = [c.to_openai() for c in result.client_tool_calls]
+    tip = conversation_hash(request.user_id, [*request.messages, reply])
+    await res.store.set_session_tip(request.session_id, tip)
+
+
+async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequest) -> AsyncIterator[str]:
+    chunk_id = new_turn_id()
+    created = int(time.time())
+    started = time.perf_counter()
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return sse_chunk(chunk_id, created, res.model_name, delta, finish, **extra)
+
+    opened = False
+    try:
+        async for event in res.agent.events(request):
+            if isinstance(event, Delta):
+                chunk_id = event.turn_id
+                if not opened:
+                    opened = True
+                    yield chunk({"role": "assistant", "content": ""})
+                yield chunk({"content": event.text})
+                continue
+            chunk_id = event.turn.id
+            if not opened:
+                opened = True
+                yield chunk({"role": "assistant", "content": ""})
+            result: AgentResult = event
+            if result.client_tool_calls:
+                yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
+            yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse_chunk(chunk_id, created, res.model_name, None, None, usage=result.usage)
+            await _remember_tip(res, request, result)
+    except ValueError as exc:
+        yield sse_chunk(chunk_id, created, res.model_name, None, None, error={"message": str(exc), "type": "invalid_request_error"})
+    except Exception as exc:  # the stream has started: report in-band, never drop the connection silently
+        log.exception("stream failed")
+        yield sse_chunk(chunk_id, created, res.model_name, None, None, error={"message": f"internal error ({type(exc).__name__})", "type": "server_error"})
+    res.metrics.latency.observe(time.perf_counter() - started)
+    yield "data: [DONE]\n\n"

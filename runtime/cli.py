@@ -1,0 +1,230 @@
+"""The ``whet`` command line: serve, tools, turns, chat.
+
+Config problems end with one line naming the key and the fix, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from whet.config.settings import ConfigError, WhetConfig, load_config
+
+EXIT_CONFIG = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_CONFIG
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        print(f"whet: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="whet", description="A self-hosted agent service that gets better by being used.")
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run the service (OpenAI-compatible API, MCP tools, learning)")
+    _config_arg(serve)
+    serve.add_argument("--model", help="HF model id or local model folder (default: the demo policy)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--no-learner", action="store_true", help="serve only; run `whet learn` elsewhere")
+    serve.set_defaults(run=_serve)
+
+    tools = sub.add_parser("tools", help="start the configured MCP servers and list their tools")
+    _config_arg(tools)
+    tools.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tools.set_defaults(run=_tools)
+
+    turns = sub.add_parser("turns", help="show recorded turns from the experience store")
+    _config_arg(turns)
+    turns.add_argument("--session", help="only this session")
+    turns.add_argument("--user", help="only this user")
+    turns.add_argument("--limit", type=int, default=20)
+    turns.add_argument("--follow", "-f", action="store_true", help="keep printing new turns as they are recorded")
+    turns.set_defaults(run=_turns)
+
+    chat = sub.add_parser("chat", help="chat in the terminal with a running whet server")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    chat.add_argument("--api-key", help="bearer API key, when the server has keys configured")
+    chat.add_argument("--model", help="model name (default: the server's first model)")
+    chat.set_defaults(run=_chat)
+    return parser
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="a YAML file overriding config/whet.yaml")
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> WhetConfig:
+    from whet.runtime.logs import configure_logging
+
+    config = load_config(args.config, overrides)
+    configure_logging(config.log)
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import structlog
+    import uvicorn
+
+    from whet.runtime.app import create_app
+
+    overrides: dict[str, Any] = {"server": {}, "model": {}}
+    if args.model:
+        overrides["model"]["id"] = args.model
+    if args.host:
+        overrides["server"]["host"] = args.host
+    if args.port is not None:
+        overrides["server"]["port"] = args.port
+    if args.no_learner:
+        overrides["learner"] = {"enabled": False}
+    config = _load(args, overrides)
+    structlog.get_logger().info("config", **config.redacted())
+    app = create_app(config)
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_config=None, access_log=False)
+    return 0
+
+
+def _tools(args: argparse.Namespace) -> int:
+    import anyio
+
+    from whet.config.mcp import load_mcp_servers
+    from whet.runtime.state import mcp_variables
+    from whet.runtime.tools import ToolPool
+
+    config = _load(args)
+    specs = load_mcp_servers(config.mcp_config_path(), mcp_variables(config))
+
+    async def listing() -> tuple[list[Any], dict[str, str]]:
+        async with ToolPool(specs, call_timeout=config.mcp.call_timeout, start_timeout=config.mcp.start_timeout) as pool:
+            return pool.tools(), pool.status()
+
+    tools, status = anyio.run(listing)
+    if args.json:
+        print(json.dumps([{"name": t.name, "server": t.server, "description": t.description} for t in tools], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(tools)} tools from {len(status)} servers")
+    for column in ("tool", "server", "description"):
+        table.add_column(column)
+    for t in tools:
+        table.add_row(t.name, t.server, t.description.splitlines()[0] if t.description else "")
+    console = Console()
+    console.print(table)
+    for server, state in status.items():
+        if state != "ready":
+            console.print(f"[yellow]server {server}: {state}[/yellow]")
+    return 0
+
+
+def _turns(args: argparse.Namespace) -> int:
+    import anyio
+
+    from whet.memory.store import open_store
+
+    config = _load(args)
+
+    async def show() -> None:
+        store = open_store(config.store_url)
+        try:
+            turns = await store.list_turns(session_id=args.session, user_id=args.user, limit=args.limit)
+            for turn in reversed(turns):
+                _print_turn(turn)
+            since = turns[0].created_at if turns else None
+            while args.follow:
+                await anyio.sleep(1.0)  # polling the store: it is the source of truth, shared by every replica
+                fresh = await store.list_turns(session_id=args.session, user_id=args.user, limit=500, since=since)
+                for turn in reversed(fresh):
+                    _print_turn(turn)
+                since = fresh[0].created_at if fresh else since
+        finally:
+            await store.aclose()
+
+    anyio.run(show)
+    return 0
+
+
+def _print_turn(turn: Any) -> None:
+    calls = ", ".join(c["function"]["name"] for c in turn.tool_calls) or "-"
+    state = turn.next_state_kind or "open"
+    text = turn.response_text.replace("\n", " ")[:100]
+    stamp = turn.created_at.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{stamp}  {turn.id}  {turn.user_id}  v={turn.policy_version or 'base'}  tools={calls}  [{state}]  {text}")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url, headers=headers, timeout=300) as client:
+        try:
+            model = args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        except httpx.HTTPError as exc:
+            print(f"whet: cannot reach a whet server at {args.url} ({exc}); start one with `whet serve`", file=sys.stderr)
+            return 1
+        return _chat_loop(client, model)
+
+
+def _chat_loop(client: Any, model: str) -> int:
+    messages: list[dict[str, Any]] = []
+    session: str | None = None
+    print(f"chatting with {model}; empty line or Ctrl-D to quit, '+' / '-' to rate the last answer")
+    last_turn = None
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        if line in ("+", "-") and last_turn:
+            client.post("/v1/feedback", json={"turn_id": last_turn, "thumbs": "up" if line == "+" else "down"})
+            print("(feedback recorded)")
+            continue
+        messages.append({"role": "user", "content": line})
+        headers = {"X-Whet-Session": session} if session else {}
+        reply, last_turn, session = _stream_reply(client, model, messages, headers)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(client: Any, model: str, messages: list[dict[str, Any]], headers: dict[str, str]):
+    body = {"model": model, "messages": messages, "stream": True}
+    parts, turn_id = [], None
+    print("whet> ", end="", flush=True)
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        if response.status_code >= 400:
+            response.read()
+            print(f"[error {response.status_code}: {response.json()['error']['message']}]")
+            return "", None, headers.get("X-Whet-Session")
+        session = response.headers.get("x-whet-session")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            turn_id = chunk.get("id", turn_id)
+            for choice in chunk.get("choices", []):
+                text = choice["delta"].get("content") or ""
+                parts.append(text)
+                print(text, end="", flush=True)
+    print()
+    return "".join(parts), turn_id, session
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Pure ASGI middleware: request ids bound for logging, and a request body size cap."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class RequestContextMiddleware:
+    """Binds a request id (and echoes it as X-Request-Id) for every log line of the request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex[:16]
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id, path=scope["path"])
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``max_bytes`` with 413, by header or by counting what arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            # a body without Content-Length (chunked) is counted as it arrives; the app's
+            # exception handler turns this into the same 413 body
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than {self.max_bytes} bytes (server.max_body_bytes)"
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": self._message(),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "body_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]}
+        )
+        await send({"type": "http.response.body", "body": body})

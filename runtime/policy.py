@@ -1,0 +1,140 @@
+"""The policy backend seam: one Protocol, several engines.
+
+A backend turns OpenAI-style ``messages`` + ``tools`` into one model action,
+and reports exactly what the engine did: the prompt token ids it saw, the
+sampled token ids and their log-probs. Those are stored verbatim and never
+re-tokenized later (the learner trains on them).
+
+Messages are OpenAI chat dicts (``role``, ``content``, ``tool_calls`` with
+``function.arguments`` as a JSON string, ``tool_call_id``); tools are OpenAI
+function specs (``{"type": "function", "function": {name, description, parameters}}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from whet.config.settings import ModelConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        import json
+
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
+
+@dataclass
+class Generation:
+    """One model action, as the engine produced it."""
+
+    text: str  # the raw decoded completion (tool-call markup included)
+    content: str  # text with tool-call blocks removed, stripped
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    # tool-call blocks that could not be parsed: one message each, for a tool-error reply
+    tool_call_errors: list[str] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # one per token id, from the engine
+    finish_reason: str = "stop"  # stop | length | tool_calls
+    adapter: str | None = None  # the adapter name that produced it (None = base weights)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    """What the agent needs from an engine."""
+
+    model_name: str
+
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> Generation: ...
+
+    def stream(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> AsyncIterator[str | Generation]:
+        """Yields text deltas as the engine produces them, then exactly one final Generation."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    def adapters(self) -> list[str]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BackendError(Exception):
+    """An engine failed in a way a person can act on (remote HTTP error, model that cannot load).
+
+    ``status`` is the remote HTTP status when there was one.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        self.status, self.message = status, message
+        super().__init__(f"{message} (HTTP {status})" if status is not None else message)
+
+
+def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
+    """The backend ``model`` configures. ``id: demo`` builds the demo model into ``data_dir/demo-model`` once."""
+    if model.backend == "transformers":
+        from whet.runtime.hf import TransformersBackend
+
+        source = model.id
+        if model.id == "demo":
+            folder = Path(data_dir).expanduser() / "demo-model"
+            if not (folder / "config.json").is_file():
+                from whet.learner.demo_model import build_tiny_model
+
+                build_tiny_model(folder)
+            source = str(folder)
+        return TransformersBackend(
+            source,
+            device=model.device,
+            dtype=model.dtype,
+            workers=model.workers,
+            model_name=model.name,
+            max_context_tokens=model.max_context_tokens,
+        )
+    if not model.base_url:
+        raise BackendError(f"model.base_url is required for the {model.backend} backend (e.g. http://127.0.0.1:8001/v1)")
+    from whet.runtime.remote import OpenAIBackend, VllmBackend
+
+    kind = VllmBackend if model.backend == "vllm" else OpenAIBackend
+    return kind(model.base_url, model.api_key, model.id, timeout=model.request_timeout, model_name=model.name)

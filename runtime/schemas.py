@@ -1,0 +1,193 @@
+"""OpenAI-compatible wire models (requests in, responses out).
+
+These are not table rows: the store's rows never leave the API; routes map
+them to the `*Public` models here or in `whet.memory.store`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallWire(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """Content as plain text: list-of-parts content keeps its text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+    def to_openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Any = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = Field(None, max_length=256)
+    n: int = Field(1, ge=1, le=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    @model_validator(mode="after")
+    def _ends_sensibly(self) -> ChatCompletionRequest:
+        if self.messages[-1].role not in ("user", "tool"):
+            raise ValueError("the last message must be from the user (or a tool result for a client-side tool)")
+        return self
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallWire] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None  # the policy version that answered
+
+
+class FeedbackRequest(BaseModel):
+    turn_id: str
+    score: float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None = None
+    thumbs: Literal["up", "down"] | None = None
+    text: str | None = Field(None, max_length=8000)
+
+    @model_validator(mode="after")
+    def _has_signal(self) -> FeedbackRequest:
+        if self.score is None and self.thumbs is None and not self.text:
+            raise ValueError("give a score (-1..1), thumbs ('up'|'down') or a text")
+        if isinstance(self.score, float) and not -1.0 <= self.score <= 1.0:
+            raise ValueError("score must be between -1 and 1")
+        return self
+
+    def numeric_score(self) -> float:
+        if isinstance(self.score, (int, float)):
+            return float(self.score)
+        word = self.thumbs or self.score
+        if word in ("up", "thumbs_up"):
+            return 1.0
+        if word in ("down", "thumbs_down"):
+            return -1.0
+        return 0.0
+
+
+class FeedbackAck(BaseModel):
+    id: int
+    turn_id: str
+    score: float
+    closed_turn: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "whet"
+    backend: str
+    adapter: str | None  # the live adapter version (None = base weights)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ToolPublic(BaseModel):
+    name: str
+    server: str
+    description: str
+    input_schema: dict[str, Any]
+    annotations: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None

@@ -1,0 +1,109 @@
+"""The service's resources, opened together in one lifespan.
+
+Everything with a life (store engine, bus connection, MCP sessions, the model)
+is entered in one ``AsyncExitStack`` and exposed as one typed object. Tests
+hand in twins (a ScriptedBackend, an in-memory tool pool) through the same
+factory instead of patching globals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from whet.config.mcp import load_mcp_servers
+from whet.config.settings import WhetConfig
+from whet.memory.bus import Bus, open_bus
+from whet.memory.experience import Experience
+from whet.memory.index import Embedder, LessonIndex, open_embedder
+from whet.memory.store import Store, open_store
+from whet.runtime.adapters import AdapterRouter
+from whet.runtime.agent import Agent
+from whet.runtime.metrics import Metrics
+from whet.runtime.policy import PolicyBackend, create_backend
+from whet.runtime.tools import ToolPool
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Resources:
+    config: WhetConfig
+    store: Store
+    bus: Bus
+    experience: Experience
+    index: LessonIndex
+    backend: PolicyBackend
+    tools: ToolPool
+    adapters: AdapterRouter
+    agent: Agent
+    metrics: Metrics
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.name
+
+
+def mcp_variables(config: WhetConfig) -> dict[str, str]:
+    """What ``${VAR}`` in an mcpServers file may name: the environment plus whet's own."""
+    return {**os.environ, "WHET_PYTHON": sys.executable, "WHET_DATA_DIR": str(config.data_path)}
+
+
+def resolve_model(config: WhetConfig):
+    """The model config with ``id: demo`` replaced by the demo policy's folder (built on first use)."""
+    model = config.model
+    if model.id != "demo":
+        return model
+    from whet.learner.demo_model import ensure_demo_model
+
+    path = ensure_demo_model(config.data_path / "demo-model")
+    return model.model_copy(update={"id": str(path), "served_name": model.served_name or "demo"})
+
+
+@asynccontextmanager
+async def open_resources(
+    config: WhetConfig,
+    *,
+    backend: PolicyBackend | None = None,
+    tools: ToolPool | None = None,
+    embedder: Embedder | None = None,
+) -> AsyncIterator[Resources]:
+    async with AsyncExitStack() as stack:
+        config.data_path.mkdir(parents=True, exist_ok=True)
+        store = await anyio.to_thread.run_sync(open_store, config.store_url)
+        stack.push_async_callback(store.aclose)
+        bus = open_bus(config.bus.url, config.bus.client_id)
+        await bus.start()
+        stack.push_async_callback(bus.aclose)
+        index = LessonIndex(embedder or await anyio.to_thread.run_sync(open_embedder, config.memory.embedder))
+        lessons = await store.list_lessons()
+        await anyio.to_thread.run_sync(index.rebuild, lessons)
+        if backend is None:
+            model = await anyio.to_thread.run_sync(resolve_model, config)
+            backend = await anyio.to_thread.run_sync(create_backend, model, config.data_path)
+        stack.push_async_callback(backend.aclose)
+        if tools is None:
+            specs = load_mcp_servers(config.mcp_config_path(), mcp_variables(config))
+            tools = ToolPool(
+                specs,
+                call_timeout=config.mcp.call_timeout,
+                max_result_chars=config.mcp.max_result_chars,
+                start_timeout=config.mcp.start_timeout,
+                restart_backoff_max=config.mcp.restart_backoff_max,
+            )
+        await stack.enter_async_context(tools)
+        adapters = AdapterRouter(backend, store, config.learner)
+        await adapters.restore()
+        metrics = Metrics()
+        experience = Experience(store, bus)
+        agent = Agent(backend, tools, experience, index, config.agent, metrics)
+        log.info("whet ready", model=config.model.name, tools=len(tools.tools()), lessons=len(index))
+        yield Resources(config, store, bus, experience, index, backend, tools, adapters, agent, metrics)

@@ -1,0 +1,66 @@
+"""The config tree: defaults, file, env, flags; and one clear error for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from whet.config.settings import ConfigError, load_config
+
+
+def test_shipped_defaults_load_and_point_at_sqlite_and_the_bundled_servers():
+    config = load_config()
+    assert config.model.id == "demo" and config.model.backend == "transformers"
+    assert config.store_url.startswith("sqlite:///") and config.store_url.endswith("whet.db")
+    assert config.bus.url is None
+    assert config.mcp_config_path().name == "mcp.json"
+
+
+def test_a_file_then_env_then_flags_override_in_that_order(tmp_path, monkeypatch):
+    path = tmp_path / "whet.yaml"
+    path.write_text("model:\n  id: from-file\n  temperature: 0.1\nserver:\n  port: 9000\n")
+    monkeypatch.setenv("WHET_MODEL__ID", "from-env")
+    config = load_config(path, overrides={"server": {"port": 9100}})
+    assert config.model.id == "from-env"
+    assert config.model.temperature == 0.1  # the file's value survives where env is silent
+    assert config.server.port == 9100
+
+
+def test_an_unknown_key_names_the_key_and_the_fix(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("model:\n  temprature: 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == "model.temprature"
+    assert "unknown key" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_a_bad_bus_url_is_refused_with_the_schemes_that_work(monkeypatch):
+    monkeypatch.setenv("WHET_BUS__URL", "redis://localhost")
+    with pytest.raises(ConfigError) as err:
+        load_config()
+    assert err.value.key == "bus.url" and "mqtt://" in str(err.value)
+
+
+def test_the_cli_reports_invalid_config_in_one_line_with_exit_code_2(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("server:\n  port: not-a-port\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "whet.runtime.cli", "tools", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "server.port" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_cli_reports_an_unreadable_yaml_file_without_a_traceback(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("model: [unclosed\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "not valid YAML" in done.stderr and "Traceback" not in done.stderr
