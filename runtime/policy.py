@@ -112,18 +112,18 @@ class BackendError(Exception):
 
 
 def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
-    """The backend ``model`` configures. ``id: demo`` builds the demo model into ``data_dir/demo-model`` once."""
+    """The backend ``model`` configures.
+
+    ``id: demo`` (transformers) serves the demo model, built into ``data_dir/demo-model`` on first use.
+    """
     if model.backend == "transformers":
         from whet.runtime.hf import TransformersBackend
 
         source = model.id
         if model.id == "demo":
-            folder = Path(data_dir).expanduser() / "demo-model"
-            if not (folder / "config.json").is_file():
-                from whet.learner.demo_model import build_tiny_model
+            from whet.learner.demo_model import ensure_demo_model
 
-                build_tiny_model(folder)
-            source = str(folder)
+            source = str(ensure_demo_model(Path(data_dir).expanduser() / "demo-model"))
         return TransformersBackend(
             source,
             device=model.device,
@@ -133,7 +133,9 @@ def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
             max_context_tokens=model.max_context_tokens,
         )
     if not model.base_url:
-        raise BackendError(f"model.base_url is required for the {model.backend} backend (e.g. http://127.0.0.1:8001/v1)")
+        raise BackendError(
+            f"model.base_url is required for the {model.backend} backend (e.g. http://127.0.0.1:8001/v1)"
+        )
     from whet.runtime.remote import OpenAIBackend, VllmBackend
 
     kind = VllmBackend if model.backend == "vllm" else OpenAIBackend

@@ -1,0 +1,425 @@
+"""TransformersBackend: an in-process engine on transformers + peft, CPU or CUDA.
+
+Generation is a plain sampling loop over the model's KV cache, run in a pool of
+worker threads (never on the event loop), so that each sampled token can be
+streamed at once and reported with its log-prob.
+
+Log-probs are those of the RAW model distribution: ``log_softmax(logits)`` at
+temperature 1, before temperature and top-p reshape it for sampling. That is
+what the learner recomputes from the stored token ids, so the importance ratio
+is exactly 1 for an unchanged policy whatever the sampling settings were.
+``token_ids`` include the end-of-turn token when generation stopped on it (the
+policy has to learn to stop); ``text`` does not.
+
+Adapters: several peft LoRA adapters live in one model. A request picks its
+adapter per forward pass through peft's mixed-batch ``adapter_names`` argument
+(``"__base__"`` = no adapter), injected by a forward pre-hook that reads the
+*calling thread's* choice. peft's own ``adapter_names`` hooks are registered on
+shared modules per call and would race between concurrent requests, and
+``set_adapter`` is global state, so neither is used. Loading and unloading take
+a write lock that waits for the forward pass in progress; unloading also waits
+for the requests still generating with that adapter (they finish on it).
+DoRA adapters are refused (peft cannot mix them per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import warnings
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from whet.runtime.chat_format import parse_tool_calls, render_chatml, template_messages
+from whet.runtime.policy import BackendError, Generation, SamplingParams
+
+BASE = "__base__"  # peft's name for "no adapter" in adapter_names
+_DONE = object()
+
+
+class _ReadWriteLock:
+    """Many readers (forward passes) or one writer (adapter load/unload); writers go first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writers_waiting = 0
+        self._writing = False
+
+    @contextmanager
+    def read(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self):
+        with self._cond:
+            self._writers_waiting += 1
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[int, float]:
+    """Pick the next token from ``logits`` [V]; return it and its RAW log-prob (temperature 1, no top-p)."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [V]
+    if temperature <= 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)  # [V]
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)  # [V], [V]
+            outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p  # mass before each >= p
+            sorted_probs[outside] = 0.0  # the most likely token is never outside
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(raw_logprobs[token])
+
+
+class TransformersBackend:
+    """An HF model id or a local ``save_pretrained`` folder, served in-process.
+
+    ``device``: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1"...
+    ``dtype``: "auto" (the checkpoint's dtype on CUDA, float32 on CPU) or a torch dtype name.
+    ``workers``: generation threads; requests beyond that many wait for a free one.
+    """
+
+    def __init__(
+        self,
+        model_id_or_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        workers: int = 2,
+        model_name: str | None = None,
+        max_context_tokens: int = 4096,
+    ) -> None:
+        self.model_name = model_name or model_id_or_path
+        self.device = _device(device)
+        self.tokenizer, self.model = _load(model_id_or_path, self.device, dtype)
+        positions = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
+        self.context_tokens = min(max_context_tokens, positions)
+        self.stop_token_ids = _stop_token_ids(self.tokenizer, self.model)
+        # only the last position's logits are needed; older model classes lack the argument
+        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if keeps else {}
+        # fast tokenizers raise "Already borrowed" when two threads touch one at once
+        self._tokenizer_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whet-generate")
+        self._lock = _ReadWriteLock()
+        self._local = threading.local()  # .adapter_names for the forward passes of this thread
+        self._peft: Any = None  # the PeftModel wrapper, once an adapter is loaded
+        self._adapters: set[str] = set()
+        self._in_use: Counter[str] = Counter()
+        self._in_use_cond = threading.Condition()
+
+    # -- prompt ---------------------------------------------------------------
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        """The exact token ids the model sees for this request (chat template, generation prompt added)."""
+        msgs = template_messages(messages)
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(self._prompt_text(msgs, tools), add_special_tokens=False)
+
+    def _prompt_text(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    msgs, tools=tools or None, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # jinja raises its own error types, e.g. "roles must alternate"
+                message = f"the chat template of {self.model_name} rejected the messages: {exc}"
+                raise ValueError(message) from exc
+        else:
+            text = render_chatml(msgs, tools)
+        return text
+
+    # -- generation -----------------------------------------------------------
+
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> Generation:
+        result: Generation | None = None
+        async for item in self.stream(messages, tools, params, adapter):
+            result = item if isinstance(item, Generation) else result
+        assert result is not None
+        return result
+
+    async def stream(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> AsyncIterator[str | Generation]:
+        """Yields text deltas as tokens are sampled, then the Generation.
+
+        Closing the iterator early (``contextlib.aclosing``) or cancelling the task
+        stops the worker at its next token.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                cancel.set()
+
+        def work() -> Generation:
+            try:
+                return self._generate_sync(messages, tools, params, adapter, emit, cancel)
+            finally:
+                emit(_DONE)
+
+        future = loop.run_in_executor(self._pool, work)
+        try:
+            while (item := await queue.get()) is not _DONE:
+                yield item
+            yield await future
+        finally:
+            cancel.set()
+
+    def _generate_sync(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        params: SamplingParams,
+        adapter: str | None,
+        emit: Callable[[str], None],
+        cancel: threading.Event,
+    ) -> Generation:
+        prompt = self.prompt_ids(messages, tools)
+        if len(prompt) >= self.context_tokens:
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; the model's context is {self.context_tokens}: "
+                "shorten the conversation or raise model.max_context_tokens"
+            )
+        budget = min(params.max_new_tokens, self.context_tokens - len(prompt))
+        with self._using(adapter):
+            token_ids, logprobs, finish, sent = self._sample_loop(prompt, params, budget, emit, cancel)
+        text, _ = self._decode(token_ids, params.stop)
+        if text.startswith(sent) and len(text) > len(sent):
+            emit(text[len(sent):])  # what was held back: a partial character or a possible stop string
+        content, calls, errors = parse_tool_calls(text)
+        return Generation(
+            text=text,
+            content=content,
+            tool_calls=calls,
+            tool_call_errors=errors,
+            prompt_token_ids=prompt,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason="tool_calls" if calls else finish,
+            adapter=adapter,
+        )
+
+    def _sample_loop(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        budget: int,
+        emit: Callable[[str], None],
+        cancel: threading.Event,
+    ) -> tuple[list[int], list[float], str, str]:
+        """Sample up to ``budget`` tokens, emitting text as it becomes final; returns ids, log-probs,
+        finish reason and the text emitted so far."""
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        sent = ""
+        hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may start a stop string
+        cache = None
+        inputs = torch.tensor([prompt], device=self.device)  # [1, P]
+        with torch.inference_mode():
+            while len(token_ids) < budget and not cancel.is_set():
+                with self._lock.read():
+                    out = self.model(inputs, past_key_values=cache, use_cache=True, **self._last_only)
+                cache = out.past_key_values
+                logits = out.logits[0, -1]  # [V]
+                token, logprob = sample_token(logits, params.temperature, params.top_p, generator)
+                token_ids.append(token)
+                logprobs.append(logprob)
+                if token in self.stop_token_ids:
+                    return token_ids, logprobs, "stop", sent
+                text, stopped = self._decode(token_ids, params.stop)
+                if stopped:
+                    return token_ids, logprobs, "stop", sent
+                visible = text[: len(text) - hold]
+                if not visible.endswith("\ufffd") and visible.startswith(sent) and len(visible) > len(sent):
+                    emit(visible[len(sent):])
+                    sent = visible
+                inputs = torch.tensor([[token]], device=self.device)  # [1, 1]
+        return token_ids, logprobs, "length", sent
+
+    def _decode(self, token_ids: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
+        """The completion text (no end-of-turn token, cut before the first stop string); whether it was cut.
+
+        Decodes the whole completion each time: simple, and cheap next to a forward pass.
+        """
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(
+                token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        cut = _find_stop(text, stop)
+        return (text, False) if cut is None else (text[:cut], True)
+
+    # -- adapters -------------------------------------------------------------
+
+    @contextmanager
+    def _using(self, adapter: str | None):
+        """Route this thread's forward passes to ``adapter`` and hold it loaded meanwhile."""
+        with self._in_use_cond:
+            if adapter is not None and adapter not in self._adapters:
+                raise ValueError(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
+            self._in_use[adapter or BASE] += 1
+        self._local.adapter_names = [adapter or BASE]
+        try:
+            yield
+        finally:
+            self._local.adapter_names = None
+            with self._in_use_cond:
+                self._in_use[adapter or BASE] -= 1
+                self._in_use_cond.notify_all()
+
+    def _route_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        names = getattr(self._local, "adapter_names", None)
+        if names is not None:
+            kwargs["adapter_names"] = names
+        return args, kwargs
+
+    def _hook_lora_layers(self) -> None:
+        from peft.tuners.lora import LoraLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        for module in self.model.modules():
+            routed = getattr(module, "_whet_routed", False)
+            if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)) and not routed:
+                module.register_forward_pre_hook(self._route_hook, with_kwargs=True)
+                module._whet_routed = True
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a peft LoRA adapter folder under ``name``; requests may use it as soon as this returns."""
+        await asyncio.to_thread(self._load_adapter_sync, name, path)
+
+    def _load_adapter_sync(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        if name == BASE or name in self._adapters:
+            raise ValueError(f"adapter name {name!r} is already in use; load each version under a new name")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"adapter folder {path} has no adapter_config.json; pass a folder saved by peft")
+        with self._lock.write(), warnings.catch_warnings():
+            # peft reads transformers' deprecated `is_gradient_checkpointing`; not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+            else:
+                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            if getattr(self._peft.peft_config[name], "use_dora", False):
+                self._peft.delete_adapter(name)
+                raise ValueError(f"adapter {name!r} uses DoRA, which peft cannot route per request; use LoRA")
+            self._peft.eval()
+            self._hook_lora_layers()
+        with self._in_use_cond:
+            self._adapters.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Refuse new requests for ``name``, wait for those using it, then free it. Unknown names: no-op."""
+        await asyncio.to_thread(self._unload_adapter_sync, name)
+
+    def _unload_adapter_sync(self, name: str) -> None:
+        with self._in_use_cond:
+            if name not in self._adapters:
+                return
+            self._adapters.discard(name)
+            self._in_use_cond.wait_for(lambda: self._in_use[name] == 0)
+        with self._lock.write():
+            self._peft.delete_adapter(name)
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop if s) if i != -1]
+    return min(hits) if hits else None
+
+
+def _stop_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return {i for i in ids if isinstance(i, int)}
+
+
+def _load(model_id_or_path: str, device: torch.device, dtype: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_id_or_path).expanduser()
+    local = path.exists() or model_id_or_path.startswith(("/", ".", "~"))
+    if local and not path.is_dir():
+        raise BackendError(f"model folder {path} does not exist; pass a folder written by save_pretrained")
+    if local and not (path / "config.json").is_file():
+        raise BackendError(f"model folder {path} has no config.json; pass a folder saved by save_pretrained")
+    source = str(path) if local else model_id_or_path
+    torch_dtype: Any = dtype if dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
+    if isinstance(torch_dtype, str) and torch_dtype != "auto":
+        torch_dtype = getattr(torch, torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local, dtype=torch_dtype)
+    except OSError as exc:
+        if local:
+            raise BackendError(f"cannot load the model in {path}: {exc}") from exc
+        raise BackendError(
+            f"cannot download {model_id_or_path}: offline? pass a local folder "
+            f"(or pre-fetch it into the HF cache). Cause: {exc}"
+        ) from exc
+    return tokenizer, model.to(device).eval()

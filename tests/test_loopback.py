@@ -1,0 +1,177 @@
+"""`whet serve` as a real process on 127.0.0.1, driven by the official openai client.
+
+Two servers: one on a tiny local model (the real transformers path: token ids
+and log-probs recorded), and one whose policy is an OpenAI-compatible fake we
+script, so the agent deterministically calls the third-party `mcp-server-time`
+through an mcpServers file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+import yaml
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+pytestmark = pytest.mark.loopback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
+    port = free_port()
+    config = {"data_dir": str(tmp_path / "data"), "memory": {"embedder": "hashing"}, **config}
+    path = tmp_path / "whet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (tmp_path / "serve.log").open("w")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(path), "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, tmp_path / "serve.log")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = 120) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"whet serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # polling a starting process: there is no event to wait on
+    pytest.fail(f"whet serve not healthy after {deadline_s}s:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from whet.learner.demo_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_the_openai_client_chats_with_whet_serve_and_every_turn_has_token_ids(tmp_path, tiny_model):
+    config = {"model": {"id": str(tiny_model), "max_new_tokens": 12}, "agent": {"tools_k": 3}}
+    with whet_serve(tmp_path, config) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}])
+        assert reply.id.startswith("turn_")
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello again"}], stream=True
+        )
+        chunks = list(stream)
+        assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+        streamed_id = chunks[-1].id
+        for turn_id in (reply.id, streamed_id):
+            turn = httpx.get(f"{base}/v1/turns/{turn_id}").json()
+            assert turn["prompt_token_ids"] and turn["response_token_ids"]
+            assert len(turn["response_logprobs"]) == len(turn["response_token_ids"])
+            assert all(lp <= 0.0 for lp in turn["response_logprobs"])
+
+
+def scripted_openai_app() -> Starlette:
+    """An OpenAI-compatible policy that asks for the time in Lisbon, then reports the tool's answer."""
+
+    def reply(body: dict) -> dict:
+        last = body["messages"][-1]
+        if last["role"] == "tool":
+            return {"role": "assistant", "content": f"Lisbon time: {last['content'][:200]}"}
+        call = {"id": "call_1", "type": "function",
+                "function": {"name": "get_current_time", "arguments": json.dumps({"timezone": "Europe/Lisbon"})}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    async def completions(request: Request):
+        body = await request.json()
+        message = reply(body)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        if not body.get("stream"):
+            return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                 "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+
+        async def events():
+            delta = {"role": "assistant", "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
+            for payload in ({"delta": delta, "finish_reason": None}, {"delta": {}, "finish_reason": finish}):
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, **payload}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+@contextmanager
+def run_in_thread(app) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_third_party_mcp_server_from_an_mcpservers_file_is_listed_and_called(tmp_path):
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {
+        "time": {"command": "${WHET_PYTHON}", "args": ["-m", "mcp_server_time", "--local-timezone=UTC"]},
+    }}))
+    with run_in_thread(scripted_openai_app()) as policy_url:
+        config = {"model": {"backend": "openai", "id": "scripted-policy", "base_url": policy_url},
+                  "mcp": {"config": str(mcp_file)}}
+        with whet_serve(tmp_path, config) as base:
+            tools = {t["name"]: t["server"] for t in httpx.get(f"{base}/v1/tools").json()}
+            assert tools.get("get_current_time") == "time"
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+            reply = client.chat.completions.create(
+                model="scripted-policy", messages=[{"role": "user", "content": "what time is it in Lisbon?"}]
+            )
+            answer = reply.choices[0].message.content
+            assert answer.startswith("Lisbon time:") and "Europe/Lisbon" in answer
+            turns = httpx.get(f"{base}/v1/turns", params={"limit": 10}).json()
+            tool_turn = next(t for t in turns if t["tool_calls"])
+            assert tool_turn["next_state_kind"] == "tool_result"
+            assert "Europe/Lisbon" in json.dumps(tool_turn["next_state"])
