@@ -25,7 +25,7 @@ from whet.memory.store import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, new_turn_id
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from whet.runtime.policy import SamplingParams
+from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
     ChatCompletionRequest,
     FeedbackAck,
@@ -96,6 +96,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(BackendError)
+    async def _backend(request: Request, exc: BackendError) -> JSONResponse:
+        log.warning("backend error", error=str(exc))
+        return error_response(502, f"the model backend failed: {exc}", code="backend_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -263,34 +268,35 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
     created = int(time.time())
     started = time.perf_counter()
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
         return sse_chunk(chunk_id, created, res.model_name, delta, finish, **extra)
+
+    def failed(message: str, kind: str) -> str:
+        return chunk(None, error={"message": message, "type": kind})
 
     opened = False
     try:
         async for event in res.agent.events(request):
-            if isinstance(event, Delta):
-                chunk_id = event.turn_id
-                if not opened:
-                    opened = True
-                    yield chunk({"role": "assistant", "content": ""})
-                yield chunk({"content": event.text})
-                continue
-            chunk_id = event.turn.id
-            if not opened:
+            chunk_id = event.turn_id if isinstance(event, Delta) else event.turn.id
+            if not opened:  # the first chunk names the role, under the id of the turn that speaks
                 opened = True
                 yield chunk({"role": "assistant", "content": ""})
+            if isinstance(event, Delta):
+                yield chunk({"content": event.text})
+                continue
             result: AgentResult = event
             if result.client_tool_calls:
                 yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
             yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
             if body.stream_options and body.stream_options.include_usage:
-                yield sse_chunk(chunk_id, created, res.model_name, None, None, usage=result.usage)
+                yield chunk(None, usage=result.usage)
             await _remember_tip(res, request, result)
-    except ValueError as exc:
-        yield sse_chunk(chunk_id, created, res.model_name, None, None, error={"message": str(exc), "type": "invalid_request_error"})
+    except ValueError as exc:  # the backend refuses bad input (e.g. a prompt over the context)
+        yield failed(str(exc), "invalid_request_error")
+    except BackendError as exc:
+        yield failed(f"the model backend failed: {exc}", "server_error")
     except Exception as exc:  # the stream has started: report in-band, never drop the connection silently
         log.exception("stream failed")
-        yield sse_chunk(chunk_id, created, res.model_name, None, None, error={"message": f"internal error ({type(exc).__name__})", "type": "server_error"})
+        yield failed(f"internal error ({type(exc).__name__}); the server log has details", "server_error")
     res.metrics.latency.observe(time.perf_counter() - started)
     yield "data: [DONE]\n\n"

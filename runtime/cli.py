@@ -82,6 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from whet.runtime.app import create_app
+    from whet.runtime.policy import BackendError
+    from whet.runtime.state import configured_tool_pool
 
     overrides: dict[str, Any] = {"server": {}, "model": {}}
     if args.model:
@@ -94,23 +96,37 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["learner"] = {"enabled": False}
     config = _load(args, overrides)
     structlog.get_logger().info("config", **config.redacted())
-    app = create_app(config)
+    tools = configured_tool_pool(config)  # a bad mcpServers file stops here, not inside the server
+    try:
+        backend = _load_backend(config)
+    except BackendError as exc:
+        print(f"whet: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(config, backend=backend, tools=tools)
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_config=None, access_log=False)
     return 0
+
+
+def _load_backend(config: WhetConfig):
+    from rich.console import Console
+
+    from whet.runtime.policy import create_backend
+
+    what = "building the demo model (first start only) and loading it" if config.model.id == "demo" else "loading"
+    with Console(stderr=True).status(f"{what} {config.model.id} ({config.model.backend})"):
+        return create_backend(config.model, config.data_path)
 
 
 def _tools(args: argparse.Namespace) -> int:
     import anyio
 
-    from whet.config.mcp import load_mcp_servers
-    from whet.runtime.state import mcp_variables
-    from whet.runtime.tools import ToolPool
+    from whet.runtime.state import configured_tool_pool
 
     config = _load(args)
-    specs = load_mcp_servers(config.mcp_config_path(), mcp_variables(config))
+    pool = configured_tool_pool(config)
 
     async def listing() -> tuple[list[Any], dict[str, str]]:
-        async with ToolPool(specs, call_timeout=config.mcp.call_timeout, start_timeout=config.mcp.start_timeout) as pool:
+        async with pool:
             return pool.tools(), pool.status()
 
     tools, status = anyio.run(listing)

@@ -57,15 +57,16 @@ def mcp_variables(config: WhetConfig) -> dict[str, str]:
     return {**os.environ, "WHET_PYTHON": sys.executable, "WHET_DATA_DIR": str(config.data_path)}
 
 
-def resolve_model(config: WhetConfig):
-    """The model config with ``id: demo`` replaced by the demo policy's folder (built on first use)."""
-    model = config.model
-    if model.id != "demo":
-        return model
-    from whet.learner.demo_model import ensure_demo_model
-
-    path = ensure_demo_model(config.data_path / "demo-model")
-    return model.model_copy(update={"id": str(path), "served_name": model.served_name or "demo"})
+def configured_tool_pool(config: WhetConfig) -> ToolPool:
+    """The pool for the configured mcpServers file (raises ConfigError for a bad file)."""
+    specs = load_mcp_servers(config.mcp_config_path(), mcp_variables(config))
+    return ToolPool(
+        specs,
+        call_timeout=config.mcp.call_timeout,
+        max_result_chars=config.mcp.max_result_chars,
+        start_timeout=config.mcp.start_timeout,
+        restart_backoff_max=config.mcp.restart_backoff_max,
+    )
 
 
 @asynccontextmanager
@@ -87,19 +88,9 @@ async def open_resources(
         lessons = await store.list_lessons()
         await anyio.to_thread.run_sync(index.rebuild, lessons)
         if backend is None:
-            model = await anyio.to_thread.run_sync(resolve_model, config)
-            backend = await anyio.to_thread.run_sync(create_backend, model, config.data_path)
+            backend = await anyio.to_thread.run_sync(create_backend, config.model, config.data_path)
         stack.push_async_callback(backend.aclose)
-        if tools is None:
-            specs = load_mcp_servers(config.mcp_config_path(), mcp_variables(config))
-            tools = ToolPool(
-                specs,
-                call_timeout=config.mcp.call_timeout,
-                max_result_chars=config.mcp.max_result_chars,
-                start_timeout=config.mcp.start_timeout,
-                restart_backoff_max=config.mcp.restart_backoff_max,
-            )
-        await stack.enter_async_context(tools)
+        await stack.enter_async_context(tools or configured_tool_pool(config))
         adapters = AdapterRouter(backend, store, config.learner)
         await adapters.restore()
         metrics = Metrics()

@@ -84,9 +84,10 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def test_the_openai_client_chats_with_whet_serve_and_every_turn_has_token_ids(tmp_path, tiny_model):
-    config = {"model": {"id": str(tiny_model), "max_new_tokens": 12}, "agent": {"tools_k": 3}}
-    with whet_serve(tmp_path, config) as base:
+def test_the_openai_client_chats_with_whet_serve_and_every_turn_has_token_ids(tmp_path):
+    # the out-of-the-box deployment: demo model built on first start, bundled MCP servers
+    with whet_serve(tmp_path, {"model": {"max_new_tokens": 12}}) as base:
+        assert (tmp_path / "data" / "demo-model" / "config.json").is_file()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}])
@@ -102,6 +103,49 @@ def test_the_openai_client_chats_with_whet_serve_and_every_turn_has_token_ids(tm
             assert turn["prompt_token_ids"] and turn["response_token_ids"]
             assert len(turn["response_logprobs"]) == len(turn["response_token_ids"])
             assert all(lp <= 0.0 for lp in turn["response_logprobs"])
+
+
+def test_whet_serve_with_a_local_model_folder_serves_a_tool_using_turn(tmp_path, tiny_model):
+    """The real transformers path: a tiny model taught one calc conversation calls the bundled calc server."""
+    import anyio
+
+    from tinytrain import memorize
+    from whet.config.settings import load_config
+    from whet.runtime.chat_format import template_messages
+    from whet.runtime.tools import ToolPool
+    from whet.servers import calc
+
+    async def tool_side() -> tuple[list[dict], str]:
+        async with ToolPool([], in_memory={"calc": calc.build_server()}) as pool:
+            return pool.openai_tools(), (await pool.call("calculate", {"expression": "17*23"})).content
+
+    tools, result = anyio.run(tool_side)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculate", "arguments": json.dumps({"expression": "17*23"})}}
+    asked = [{"role": "system", "content": load_config().agent.system_prompt},
+             {"role": "user", "content": "what is 17*23?"}]
+    acted = [*asked, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0", "name": "calculate", "content": result}]
+    lessons = [
+        (template_messages(asked), tools, template_messages([acted[2]])[0]),
+        (template_messages(acted), tools, {"role": "assistant", "content": "17 times 23 is 391."}),
+    ]
+    taught = memorize(tiny_model, tmp_path / "taught", lessons)
+
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {"calc": {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}}}))
+    config = {"model": {"id": str(taught), "temperature": 0.0, "max_new_tokens": 48}, "mcp": {"config": str(mcp_file)}}
+    with whet_serve(tmp_path, config) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        reply = client.chat.completions.create(model=str(taught), messages=[asked[1]])
+        assert reply.choices[0].message.content == "17 times 23 is 391."
+        turns = httpx.get(f"{base}/v1/turns", params={"limit": 10}).json()
+        tool_turn, final_turn = turns[1], turns[0]
+        assert final_turn["id"] == reply.id
+        assert tool_turn["tool_calls"][0]["function"]["name"] == "calculate"
+        assert tool_turn["next_state_kind"] == "tool_result" and "391" in json.dumps(tool_turn["next_state"])
+        for turn in (tool_turn, final_turn):
+            assert len(turn["response_logprobs"]) == len(turn["response_token_ids"]) > 0
 
 
 def scripted_openai_app() -> Starlette:
