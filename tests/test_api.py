@@ -227,3 +227,27 @@ async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path)
     alice_system = backend.calls[0].messages[0]["content"]
     bob_system = backend.calls[1].messages[0]["content"]
     assert "Lisbon time" in alice_system and "Lisbon time" not in bob_system
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from whet.learner.demo_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+async def test_a_tiny_random_model_serves_and_its_turn_keeps_the_engine_token_ids(tmp_path, tiny_model_dir):
+    from whet.runtime.hf import TransformersBackend
+
+    backend = TransformersBackend(str(tiny_model_dir), model_name="tiny", workers=2)
+    async with serve(tmp_path, backend, model={"id": "tiny", "max_new_tokens": 16}) as (client, res):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "seed": 3}
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        turn = await res.store.get_turn(response.json()["id"])
+        # the recorded prompt ids are exactly what the engine's template and tokenizer give
+        prompt_messages = turn.prompt_messages
+        tools = res.tools.openai_tools(turn.tool_names)
+        assert turn.prompt_token_ids == backend.prompt_ids(prompt_messages, tools)
+        assert 0 < len(turn.response_token_ids) == len(turn.response_logprobs) <= 16
+        assert response.json()["usage"]["completion_tokens"] == len(turn.response_token_ids)

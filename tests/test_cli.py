@@ -1,0 +1,88 @@
+"""The `whet` command line as a user runs it: subprocesses, real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import yaml
+
+from whet.memory.store import TurnCreate, open_store
+
+pytestmark = pytest.mark.loopback
+
+
+def whet(*args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "whet.runtime.cli", *args], capture_output=True, text=True, input=input, timeout=timeout
+    )
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    path = tmp_path / "whet.yaml"
+    path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "data"), **sections}))
+    return path
+
+
+def test_whet_tools_lists_the_tools_of_the_configured_servers(tmp_path):
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {"calc": {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}}}))
+    done = whet("tools", "--json", "--config", str(write_config(tmp_path, mcp={"config": str(mcp_file)})))
+    assert done.returncode == 0, done.stderr
+    listed = {t["name"]: t["server"] for t in json.loads(done.stdout)}
+    assert listed == {"calculate": "calc", "convert": "calc", "list_units": "calc"}
+
+
+def test_whet_tools_names_the_key_of_a_broken_mcp_file(tmp_path):
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {"broken": {"args": ["x"]}}}))
+    done = whet("tools", "--config", str(write_config(tmp_path, mcp={"config": str(mcp_file)})))
+    assert done.returncode == 2
+    assert "mcpServers.broken" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_whet_turns_prints_recorded_turns_oldest_first(tmp_path):
+    config = write_config(tmp_path)
+
+    async def record() -> list[str]:
+        store = open_store(f"sqlite:///{tmp_path / 'data' / 'whet.db'}")
+        session = await store.create_session("alice")
+        ids = []
+        for step, text in enumerate(["first answer", "second answer"]):
+            turn = await store.add_turn(TurnCreate(
+                session_id=session.id, user_id="alice", request_id="req_1", step=step, model="m",
+                response_text=text, response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2],
+            ))
+            ids.append(turn.id)
+        await store.aclose()
+        return ids
+
+    ids = anyio.run(record)
+    done = whet("turns", "--config", str(config), "--limit", "5")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[2] for line in lines] == ids
+    assert "first answer" in lines[0] and "[open]" in lines[0]
+
+
+def test_whet_chat_talks_to_a_running_server_and_rates_the_answer(tmp_path):
+    from test_loopback import whet_serve
+
+    with whet_serve(tmp_path, {"model": {"max_new_tokens": 8}}) as base:
+        done = whet("chat", "--url", base, input="hello\n+\n\n")
+        assert done.returncode == 0, done.stderr
+        assert "whet> " in done.stdout and "(feedback recorded)" in done.stdout
+        import httpx
+
+        turns = httpx.get(f"{base}/v1/turns").json()
+        assert turns[0]["next_state_kind"] == "feedback"
+
+
+def test_whet_chat_explains_when_no_server_is_running(tmp_path):
+    done = whet("chat", "--url", "http://127.0.0.1:9")
+    assert done.returncode == 1
+    assert "whet serve" in done.stderr and "Traceback" not in done.stderr
