@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from whet.runtime.chat_format import parse_tool_calls, render_chatml, template_messages
-from whet.runtime.policy import BackendError, Generation, SamplingParams
+from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
 
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
 _DONE = object()
@@ -166,11 +166,7 @@ class TransformersBackend:
         params: SamplingParams,
         adapter: str | None = None,
     ) -> Generation:
-        result: Generation | None = None
-        async for item in self.stream(messages, tools, params, adapter):
-            result = item if isinstance(item, Generation) else result
-        assert result is not None
-        return result
+        return await last_generation(self.stream(messages, tools, params, adapter))
 
     async def stream(
         self,

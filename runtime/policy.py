@@ -67,6 +67,17 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+async def last_generation(stream: AsyncIterator[str | Generation]) -> Generation:
+    """Drain a backend's stream and return its final Generation (for engines that only stream)."""
+    result: Generation | None = None
+    async for item in stream:
+        if isinstance(item, Generation):
+            result = item
+    if result is None:
+        raise RuntimeError("the backend's stream ended without a Generation")
+    return result
+
+
 @runtime_checkable
 class PolicyBackend(Protocol):
     """What the agent needs from an engine."""
