@@ -109,7 +109,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
         where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg')}", code="invalid_value", param=where)
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        return error_response(400, f"{where}: {message}", code="invalid_value", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -103,6 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"whet: cannot load the model: {exc}", file=sys.stderr)
         return 1
     app = create_app(config, backend=backend, tools=tools)
+    url = f"http://{config.server.host}:{config.server.port}"
+    structlog.get_logger().info("serving", url=url, openai_base_url=f"{url}/v1", model=config.model.name)
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_config=None, access_log=False)
     return 0
 
