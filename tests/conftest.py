@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -33,6 +35,23 @@ def require_service(name: str, host: str, port: int) -> None:
 def postgres_url() -> str:
     require_service("PostgreSQL", "127.0.0.1", 5432)
     return POSTGRES_URL
+
+
+@pytest.fixture
+def postgres_schema_url(postgres_url: str) -> Iterator[str]:
+    """A throwaway schema in the shared `test` database, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    schema = f"whet_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    # plain postgresql:// also exercises the driver rewrite to psycopg 3
+    url = postgres_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    yield f"{url}?options=-csearch_path%3D{schema}"
+    with admin.begin() as connection:
+        connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -251,3 +252,37 @@ async def test_a_tiny_random_model_serves_and_its_turn_keeps_the_engine_token_id
         assert turn.prompt_token_ids == backend.prompt_ids(prompt_messages, tools)
         assert 0 < len(turn.response_token_ids) == len(turn.response_logprobs) <= 16
         assert response.json()["usage"]["completion_tokens"] == len(turn.response_token_ids)
+
+
+@pytest.mark.loopback
+async def test_scale_out_wiring_records_in_postgresql_and_publishes_on_mqtt(tmp_path, postgres_schema_url, mqtt_url):
+    """Store commits first, then the event: a consumer on the broker finds the rows the event names."""
+    from whet.memory.bus import FEEDBACK_ADDED, TURN_CLOSED, open_bus
+    from whet.memory.store import open_store
+
+    prefix = f"whet-test-{tmp_path.name[-8:]}"
+    backend = ScriptedBackend([CALC_CALL, "391."])
+    consumer = open_bus(f"{mqtt_url}/{prefix}")
+    await consumer.start()
+    reader = open_store(postgres_schema_url)
+    try:
+        async with consumer.subscribe(TURN_CLOSED, FEEDBACK_ADDED) as events:
+            overrides = {"store": {"url": postgres_schema_url}, "bus": {"url": f"{mqtt_url}/{prefix}"}}
+            async with serve(tmp_path, backend, **overrides) as (client, _):
+                reply = (await client.post("/v1/chat/completions", json=chat_body("17*23?"))).json()
+                await client.post("/v1/feedback", json={"turn_id": reply["id"], "thumbs": "down"})
+                seen = []
+                with anyio.fail_after(10):
+                    async for event in events:
+                        seen.append(event)
+                        # the store is the source of truth: what the event names is already there
+                        turn = await reader.get_turn(event.data["turn_id"])
+                        assert turn is not None and turn.closed_at is not None
+                        if len(seen) == 3:
+                            break
+        kinds = [(e.name, e.data.get("kind")) for e in seen]
+        assert kinds == [(TURN_CLOSED, "tool_result"), (TURN_CLOSED, "feedback"), (FEEDBACK_ADDED, None)]
+        assert seen[2].data["turn_id"] == reply["id"]
+    finally:
+        await reader.aclose()
+        await consumer.aclose()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import anyio
 import pytest
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import event, text
 
 from whet.memory import Adapter, Store, TurnCreate, TurnPublic, open_store
 
@@ -224,21 +223,6 @@ async def test_returned_rows_stay_readable_and_convert_to_public_models(store):
 def test_bad_store_url_raises_value_error_naming_the_fix(url):
     with pytest.raises(ValueError, match="sqlite:///"):
         open_store(url)
-
-
-@pytest.fixture
-def postgres_schema_url(postgres_url) -> Iterator[str]:
-    """A throwaway schema in the shared `test` database, dropped afterwards."""
-    schema = f"whet_store_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    # plain postgresql:// also exercises the driver rewrite to psycopg 3
-    url = postgres_url.replace("postgresql+psycopg://", "postgresql://", 1)
-    yield f"{url}?options=-csearch_path%3D{schema}"
-    with admin.begin() as connection:
-        connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
 
 
 @pytest.mark.loopback
