@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
@@ -26,7 +27,7 @@ from whet.memory.index import LessonIndex
 from whet.memory.store import Turn, TurnCreate
 from whet.runtime.chat_format import TOOL_CALL_OPEN
 from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
-from whet.runtime.tools import ToolPool
+from whet.runtime.tools import ToolInfo, ToolPool
 
 log = structlog.get_logger()
 
@@ -74,6 +75,7 @@ class Agent:
         self.index = index
         self.config = config
         self.metrics = metrics
+        self._tool_vectors: dict[str, np.ndarray] = {}  # "name: description" -> embedding
 
     async def run(self, request: TurnRequest) -> AgentResult:
         async for event in self.events(request):
@@ -84,7 +86,7 @@ class Agent:
     async def events(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
         """Text deltas of what the model says to the user, then one AgentResult."""
         messages = await self._context(request)
-        tools = self._tool_specs(request, messages)
+        tools = await self._tool_specs(request, messages)
         client_names = {t["function"]["name"] for t in request.client_tools}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for step in range(self.config.max_steps):
@@ -141,17 +143,21 @@ class Agent:
             budget -= cost
         return chosen
 
-    def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         infos = self.tools.tools()
         if len(infos) > self.config.tools_k:
-            infos = self._relevant_tools(infos, _last_user_text(messages))
+            query = _last_user_text(messages)
+            infos = await anyio.to_thread.run_sync(self._relevant_tools, infos, query)
         return self.tools.openai_tools([i.name for i in infos]) + list(request.client_tools)
 
-    def _relevant_tools(self, infos, query: str):
-        """Narrow a long tool list to the tools_k most similar to the request."""
+    def _relevant_tools(self, infos: list[ToolInfo], query: str) -> list[ToolInfo]:
+        """Narrow a long tool list to the tools_k most similar to the request (runs in a worker thread)."""
         embedder = self.index.embedder
-        vectors = embedder.embed([f"{i.name}: {i.description}" for i in infos])
-        scores = vectors @ embedder.embed([query])[0]
+        texts = [f"{i.name}: {i.description}" for i in infos]
+        missing = [t for t in texts if t not in self._tool_vectors]
+        if missing:  # tool lists change rarely: embed each description once
+            self._tool_vectors.update(zip(missing, embedder.embed(missing)))
+        scores = np.stack([self._tool_vectors[t] for t in texts]) @ embedder.embed([query])[0]  # [n_tools]
         ranked = sorted(zip(scores.tolist(), range(len(infos))), reverse=True)[: self.config.tools_k]
         return [infos[i] for _, i in ranked]
 

@@ -222,7 +222,6 @@ async def _turn_request(
     user_id = auth_user or body.user or res.config.server.default_user
     structlog.contextvars.bind_contextvars(user=user_id)
     messages = [m.to_openai() for m in body.messages]
-    await res.store.ensure_user(user_id)
     session_id = await _session_for(res, user_id, explicit_session, messages)
     structlog.contextvars.bind_contextvars(session=session_id)
     # the new messages are the next state of whatever this session left open

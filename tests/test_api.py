@@ -286,3 +286,12 @@ async def test_scale_out_wiring_records_in_postgresql_and_publishes_on_mqtt(tmp_
     finally:
         await reader.aclose()
         await consumer.aclose()
+
+
+async def test_a_long_tool_list_is_narrowed_to_the_tools_relevant_to_the_request(tmp_path):
+    backend = ScriptedBackend(["5 km is about 3.1 miles."])
+    async with serve(tmp_path, backend, agent={"tools_k": 3}) as (client, res):
+        assert len(res.tools.tools()) > 3
+        await client.post("/v1/chat/completions", json=chat_body("please convert 5 km to miles"))
+    shown = [t["function"]["name"] for t in backend.calls[0].tools]
+    assert len(shown) == 3 and "convert" in shown
