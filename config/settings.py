@@ -162,7 +162,7 @@ class WhetConfig(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """The config as logged at start: secrets masked."""
         data = self.model_dump(mode="json")
-        data["server"]["api_keys"] = {"***": user for user in data["server"]["api_keys"].values()}
+        data["server"]["api_keys"] = [f"*** -> {user}" for user in data["server"]["api_keys"].values()]
         if data["model"]["api_key"]:
             data["model"]["api_key"] = "***"
         return data

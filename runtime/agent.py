@@ -156,9 +156,9 @@ class Agent:
         texts = [f"{i.name}: {i.description}" for i in infos]
         missing = [t for t in texts if t not in self._tool_vectors]
         if missing:  # tool lists change rarely: embed each description once
-            self._tool_vectors.update(zip(missing, embedder.embed(missing)))
+            self._tool_vectors.update(zip(missing, embedder.embed(missing), strict=True))
         scores = np.stack([self._tool_vectors[t] for t in texts]) @ embedder.embed([query])[0]  # [n_tools]
-        ranked = sorted(zip(scores.tolist(), range(len(infos))), reverse=True)[: self.config.tools_k]
+        ranked = sorted(zip(scores.tolist(), range(len(infos)), strict=True), reverse=True)[: self.config.tools_k]
         return [infos[i] for _, i in ranked]
 
     async def _generate(self, messages, tools, request: TurnRequest) -> AsyncIterator[str | Generation]:

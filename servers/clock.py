@@ -18,7 +18,7 @@ import calendar
 import difflib
 import re
 from collections.abc import Callable
-from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from datetime import UTC, date, datetime, time, timedelta, timezone, tzinfo
 from functools import cache
 from typing import Annotated
 from zoneinfo import ZoneInfo, available_timezones
@@ -86,7 +86,7 @@ def resolve_timezone(text: str) -> tuple[str, tzinfo]:
     if not raw:
         raise ClockError("The timezone is empty; give an IANA name like Europe/Lisbon, a city, or UTC.")
     if raw.casefold() in _UTC_NAMES:
-        return "UTC", timezone.utc
+        return "UTC", UTC
     if offset := _OFFSET.fullmatch(raw):
         return _fixed_offset(raw, *offset.groups())
     full, last = _zone_index()
@@ -217,7 +217,7 @@ def _moment(instant: datetime, zone_name: str) -> Moment:
 def _localise(day: date, moment: time, zone: tzinfo, zone_name: str) -> datetime:
     """`day` at `moment` in `zone`; the earlier reading when ambiguous, ClockError when skipped by DST."""
     local = datetime.combine(day, moment, tzinfo=zone)
-    round_trip = local.astimezone(timezone.utc).astimezone(zone)
+    round_trip = local.astimezone(UTC).astimezone(zone)
     if round_trip.replace(tzinfo=None) != local.replace(tzinfo=None):
         raise ClockError(
             f"{moment.isoformat('minutes')} does not exist on {day} in {zone_name}: "
@@ -227,7 +227,7 @@ def _localise(day: date, moment: time, zone: tzinfo, zone_name: str) -> datetime
 
 
 def _utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 _READ_ONLY = ToolAnnotations(
@@ -247,7 +247,7 @@ def build_server(now: Callable[[], datetime] | None = None) -> MCPServer:
 
     def current() -> datetime:
         instant = clock()
-        return instant if instant.tzinfo else instant.replace(tzinfo=timezone.utc)
+        return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
 
     @server.tool(name="now", title="Current time", annotations=_READ_ONLY)
     def now_tool(timezone: _ZoneText = "UTC") -> Moment:

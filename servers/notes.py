@@ -18,7 +18,7 @@ import sqlite3
 import sys
 import threading
 import weakref
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -86,7 +86,7 @@ def _note(row: tuple) -> Note:
 
 
 def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 class NoteBook:

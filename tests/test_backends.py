@@ -267,7 +267,7 @@ async def test_an_adapter_request_uses_the_adapter_while_a_concurrent_base_reque
     assert base.logprobs == pytest.approx(base_alone.logprobs, abs=1e-5)
     on_base, on_adapter = _reference_logprobs(model_dir, adapter_dir, tuned)
     assert tuned.logprobs == pytest.approx(on_adapter, abs=1e-4)
-    assert max(abs(a - b) for a, b in zip(tuned.logprobs, on_base)) > 1e-2
+    assert max(abs(a - b) for a, b in zip(tuned.logprobs, on_base, strict=True)) > 1e-2
 
     await backend.unload_adapter("v1")
     assert backend.adapters() == []

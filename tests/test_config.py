@@ -64,3 +64,10 @@ def test_the_cli_reports_an_unreadable_yaml_file_without_a_traceback(tmp_path):
     )
     assert done.returncode == 2
     assert "not valid YAML" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_logged_config_masks_every_api_key_and_keeps_every_user():
+    config = load_config(overrides={"server": {"api_keys": {"sk-a": "alice", "sk-b": "bob"}}, "model": {"api_key": "sk-x"}})
+    logged = config.redacted()
+    assert logged["server"]["api_keys"] == ["*** -> alice", "*** -> bob"]
+    assert "sk-" not in str(logged)

@@ -109,11 +109,12 @@ def test_whet_serve_with_a_local_model_folder_serves_a_tool_using_turn(tmp_path,
     """The real transformers path: a tiny model taught one calc conversation calls the bundled calc server."""
     import anyio
 
-    from tinytrain import memorize
     from whet.config.settings import load_config
     from whet.runtime.chat_format import template_messages
     from whet.runtime.tools import ToolPool
     from whet.servers import calc
+
+    from tinytrain import memorize
 
     async def tool_side() -> tuple[list[dict], str]:
         async with ToolPool([], in_memory={"calc": calc.build_server()}) as pool:

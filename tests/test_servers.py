@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from whet.servers import calc, clock, notes
 
 pytestmark = pytest.mark.anyio
 
-PINNED_NOW = datetime(2024, 7, 15, 12, 30, 0, tzinfo=timezone.utc)  # a Monday, summer time in Europe
+PINNED_NOW = datetime(2024, 7, 15, 12, 30, 0, tzinfo=UTC)  # a Monday, summer time in Europe
 
 
 async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:

@@ -12,9 +12,10 @@ import anyio
 import pytest
 import uvicorn
 
-from peers.echo_server import build_server
 from whet.config.mcp import McpServerSpec, parse_mcp_servers
 from whet.runtime.tools import ToolPool
+
+from peers.echo_server import build_server
 
 ECHO_SERVER = Path(__file__).parent / "peers" / "echo_server.py"
 DEADLINE = 15.0
