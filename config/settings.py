@@ -111,7 +111,7 @@ class MemoryConfig(Section):
 
 
 class LearnerConfig(Section):
-    enabled: bool = True
+    # one adapter for everyone, or one per user (multi-LoRA); the learner itself is issue #3
     scope: Literal["global", "user"] = "global"
 
 

@@ -41,7 +41,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="HF model id or local model folder (default: the demo policy)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--no-learner", action="store_true", help="serve only; run `whet learn` elsewhere")
     serve.set_defaults(run=_serve)
 
     tools = sub.add_parser("tools", help="start the configured MCP servers and list their tools")
@@ -92,8 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["server"]["host"] = args.host
     if args.port is not None:
         overrides["server"]["port"] = args.port
-    if args.no_learner:
-        overrides["learner"] = {"enabled": False}
     config = _load(args, overrides)
     structlog.get_logger().info("config", **config.redacted())
     tools = configured_tool_pool(config)  # a bad mcpServers file stops here, not inside the server
