@@ -28,6 +28,22 @@ def write_config(tmp_path: Path, **sections) -> Path:
     return path
 
 
+def test_the_cli_reports_invalid_config_in_one_line_with_exit_code_2(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("server:\n  port: not-a-port\n")
+    done = whet("tools", "--config", str(path))
+    assert done.returncode == 2
+    assert "server.port" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_cli_reports_an_unreadable_yaml_file_without_a_traceback(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("model: [unclosed\n")
+    done = whet("serve", "--config", str(path))
+    assert done.returncode == 2
+    assert "not valid YAML" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_whet_tools_lists_the_tools_of_the_configured_servers(tmp_path):
     mcp_file = tmp_path / "mcp.json"
     mcp_file.write_text(json.dumps({"mcpServers": {"calc": {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}}}))

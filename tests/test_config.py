@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from whet.config.settings import ConfigError, load_config
@@ -42,28 +39,6 @@ def test_a_bad_bus_url_is_refused_with_the_schemes_that_work(monkeypatch):
     with pytest.raises(ConfigError) as err:
         load_config()
     assert err.value.key == "bus.url" and "mqtt://" in str(err.value)
-
-
-def test_the_cli_reports_invalid_config_in_one_line_with_exit_code_2(tmp_path):
-    path = tmp_path / "whet.yaml"
-    path.write_text("server:\n  port: not-a-port\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "whet.runtime.cli", "tools", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 2
-    assert "server.port" in done.stderr and "Traceback" not in done.stderr
-
-
-def test_the_cli_reports_an_unreadable_yaml_file_without_a_traceback(tmp_path):
-    path = tmp_path / "whet.yaml"
-    path.write_text("model: [unclosed\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 2
-    assert "not valid YAML" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_logged_config_masks_every_api_key_and_keeps_every_user():
