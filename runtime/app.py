@@ -185,13 +185,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/tools")
     async def tools(res: ResourcesDep, auth_user: AuthDep) -> list[ToolPublic]:
-        return [
-            ToolPublic(
-                name=t.name, server=t.server, description=t.description, input_schema=t.input_schema,
-                annotations=t.annotations,
-            )
-            for t in res.tools.tools()
-        ]
+        return [ToolPublic.model_validate(t, from_attributes=True) for t in res.tools.tools()]
 
     @app.get("/health")
     async def health(res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:

@@ -10,9 +10,6 @@ from whet.runtime.policy import Generation
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "whet_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
-        )
         self.latency = Histogram(
             "whet_chat_seconds", "Chat completion latency (whole agent loop)", registry=self.registry,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
