@@ -11,6 +11,7 @@ request runs does not change the adapter it finishes on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -264,8 +265,6 @@ def conversation_hash(user_id: str, messages: list[dict[str, Any]]) -> str:
     Used to find the session a plain OpenAI client's request continues: the
     history it sends equals the conversation as it stood after our last reply.
     """
-    import hashlib
-
     canon = []
     for m in messages:
         calls = [

@@ -28,6 +28,7 @@ from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddlewar
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
     ChatCompletionRequest,
+    ErrorBody,
     FeedbackAck,
     FeedbackRequest,
     ModelCard,
@@ -47,8 +48,8 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    body = ErrorBody(message=message, type=kind, param=param, code=code)
+    return JSONResponse({"error": body.model_dump()}, status_code=status)
 
 
 def get_resources(request: Request) -> Resources:
@@ -216,10 +217,11 @@ async def _turn_request(
     user_id = auth_user or body.user or res.config.server.default_user
     structlog.contextvars.bind_contextvars(user=user_id)
     messages = [m.to_openai() for m in body.messages]
-    session_id = await _session_for(res, user_id, explicit_session, messages)
-    structlog.contextvars.bind_contextvars(session=session_id)
     # the new messages are the next state of whatever this session left open
     trailing = new_session_messages(messages)
+    history = messages[: len(messages) - len(trailing)]
+    session_id = await _session_for(res, user_id, explicit_session, history)
+    structlog.contextvars.bind_contextvars(session=session_id)
     kind = "tool_result" if trailing[0]["role"] == "tool" else "user_message"
     await res.experience.close_open(session_id, kind, {"messages": trailing})
     model = res.config.model
@@ -234,13 +236,13 @@ async def _turn_request(
     return TurnRequest(user_id, session_id, messages, client_tools, params, res.adapters.current(user_id))
 
 
-async def _session_for(res: Resources, user_id: str, explicit: str | None, messages: list[dict[str, Any]]) -> str:
+async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
+    """The session a request continues: named explicitly, or the one whose last reply ends ``history``."""
     if explicit:
         try:
             return (await res.store.create_session(user_id, explicit)).id
         except PermissionError:
             raise ApiError(403, f"session '{explicit}' belongs to another user", code="session_forbidden") from None
-    history = messages[: len(messages) - len(new_session_messages(messages))]
     if any(m["role"] == "assistant" for m in history):
         found = await res.store.find_session_by_tip(user_id, conversation_hash(user_id, history))
         if found is not None:

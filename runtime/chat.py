@@ -8,6 +8,7 @@ from typing import Any
 
 from whet.runtime.agent import AgentResult
 from whet.runtime.policy import ToolCall
+from whet.runtime.schemas import ChatCompletion, Choice, ResponseMessage, ToolCallWire, Usage
 
 
 def new_session_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -19,19 +20,17 @@ def new_session_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def completion_body(result: AgentResult, model: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": result.content}
-    if result.client_tool_calls:
-        message["tool_calls"] = [c.to_openai() for c in result.client_tool_calls]
-        message["content"] = result.content or None
-    return {
-        "id": result.turn.id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": result.turn.policy_version,
-        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}],
-        "usage": result.usage,
-    }
+    calls = [ToolCallWire.model_validate(c.to_openai()) for c in result.client_tool_calls]
+    message = ResponseMessage(content=(result.content or None) if calls else result.content, tool_calls=calls or None)
+    completion = ChatCompletion(
+        id=result.turn.id,
+        created=int(time.time()),
+        model=model,
+        system_fingerprint=result.turn.policy_version,
+        choices=[Choice(message=message, finish_reason=result.finish_reason)],
+        usage=Usage(**result.usage),
+    )
+    return completion.model_dump()
 
 
 def stream_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

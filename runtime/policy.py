@@ -12,6 +12,7 @@ function specs (``{"type": "function", "function": {name, description, parameter
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,6 @@ class ToolCall:
     arguments: dict[str, Any]
 
     def to_openai(self) -> dict[str, Any]:
-        import json
-
         return {
             "id": self.id,
             "type": "function",
