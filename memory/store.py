@@ -118,6 +118,11 @@ class TurnCreate(SQLModel):
         return self
 
 
+def new_turn_id() -> str:
+    """A fresh turn id; the runtime may draw one before the turn is written (streaming)."""
+    return "turn_" + uuid.uuid4().hex
+
+
 class _TurnOutcome(SQLModel):
     closed_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
     # "tool_result" | "user_message" | "feedback"
@@ -128,7 +133,7 @@ class _TurnOutcome(SQLModel):
 class Turn(TurnCreate, _TurnOutcome, table=True):
     __tablename__ = "turns"
 
-    id: str = Field(default_factory=lambda: "turn_" + uuid.uuid4().hex, primary_key=True)
+    id: str = Field(default_factory=new_turn_id, primary_key=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, index=True)
 
 

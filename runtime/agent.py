@@ -25,7 +25,7 @@ import structlog
 from whet.config.settings import AgentConfig
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
-from whet.memory.store import Turn, TurnCreate
+from whet.memory.store import Turn, TurnCreate, new_turn_id
 from whet.runtime.chat_format import TOOL_CALL_OPEN
 from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
 from whet.runtime.tools import ToolInfo, ToolPool
@@ -227,10 +227,6 @@ class Agent:
                 {"role": "tool", "tool_call_id": f"call_invalid_{n}", "name": "invalid", "content": f"error: {error}"}
             )
         return results
-
-
-def new_turn_id() -> str:
-    return "turn_" + uuid.uuid4().hex
 
 
 def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
