@@ -110,9 +110,69 @@ class MemoryConfig(Section):
     embedder: Literal["auto", "minilm", "hashing"] = "auto"
 
 
+class JudgeConfig(Section):
+    # rules: feedback, tool errors, corrections and thanks; rules+llm: an LLM judges what rules leave at 0
+    kind: Literal["rules", "rules+llm"] = "rules"
+    # the LLM judge's OpenAI-compatible endpoint; None = the served model itself
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    votes: int = Field(3, ge=1, le=15)
+    temperature: float = Field(0.7, ge=0.0)
+
+
+class ObjectiveConfig(Section):
+    # rl: evaluative scores only; opd: hindsight distillation from hints only; combined: both
+    kind: Literal["combined", "rl", "opd"] = "combined"
+    rl_weight: float = Field(1.0, ge=0.0)
+    opd_weight: float = Field(1.0, ge=0.0)
+    kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_high: float = Field(0.28, gt=0.0)
+    advantage_clip: float = Field(5.0, gt=0.0)  # per-token OPD advantages are clipped to +-this
+    baseline_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+
+
+class LoraConfig(Section):
+    rank: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    learning_rate: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+
+
+class GateConfig(Section):
+    # share of requests held out from training: the gate replays them on candidate and live
+    holdout_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    holdout_max: int = Field(64, ge=0)
+    # a candidate is rejected when its preference margin (nats/token) is below -tolerance
+    tolerance: float = Field(0.01, ge=0.0)
+    # JSONL of {"messages": [...], "response": "..."}: pinned turns whose likelihood must not drop
+    regression_set: Path | None = None
+    regression_tolerance: float = Field(0.05, ge=0.0)  # nats/token
+    # after promotion: roll back when the live adapter's mean judged score over this many
+    # recent turns falls below its predecessor's by more than rollback_margin
+    rollback_window: int = Field(16, ge=1)
+    rollback_margin: float = Field(0.25, ge=0.0)
+
+
 class LearnerConfig(Section):
-    # one adapter for everyone, or one per user (multi-LoRA); the learner itself is issue #3
+    # run the learner inside `whet serve` (false: run `whet learn` elsewhere, or no learning)
+    enabled: bool = True
+    # one adapter for everyone, or one per user (multi-LoRA)
     scope: Literal["global", "user"] = "global"
+    train: bool = True  # false: judge and keep lessons only, never change weights
+    lessons: bool = True  # false: train weights only, keep no lessons
+    batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
+    batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
+    poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)
+    device: str = "auto"  # where training runs: auto | cpu | cuda | cuda:1
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
 
 
 class LogConfig(Section):

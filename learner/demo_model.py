@@ -3,7 +3,7 @@
 :func:`build_tiny_model` trains a byte-level BPE tokenizer on a small built-in
 corpus of chat and tool-call text, gives it the Qwen2.5 ChatML chat template
 (:data:`CHAT_TEMPLATE`, which renders exactly what
-``whet.runtime.chat_format.render_chatml`` renders), initialises a Qwen2 causal
+``whet.learner.prompt.render_chatml`` renders), initialises a Qwen2 causal
 LM of the requested size from a seed, and saves both with ``save_pretrained``
 so ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained(out_dir)`` load
 it offline. The weights are random: it generates noise, but real noise, with

@@ -2,6 +2,7 @@
 
 from whet.memory.bus import (
     ADAPTER_PUBLISHED,
+    LESSON_ADDED,
     FEEDBACK_ADDED,
     TURN_CLOSED,
     Bus,
@@ -18,26 +19,28 @@ from whet.memory.index import (
     MiniLMEmbedder,
     open_embedder,
 )
-from whet.memory.store import (
+from whet.memory.store import Store, open_store
+from whet.memory.tables import (
     NEXT_STATE_KINDS,
     Adapter,
     AdapterPublic,
     ChatSession,
     Feedback,
     FeedbackPublic,
+    Judgment,
+    JudgmentPublic,
     Lesson,
     LessonPublic,
-    Store,
     Turn,
     TurnCreate,
     TurnPublic,
     User,
-    open_store,
 )
 
 __all__ = [
     "ADAPTER_PUBLISHED",
     "FEEDBACK_ADDED",
+    "LESSON_ADDED",
     "NEXT_STATE_KINDS",
     "TURN_CLOSED",
     "Adapter",
@@ -49,6 +52,8 @@ __all__ = [
     "Feedback",
     "FeedbackPublic",
     "HashingEmbedder",
+    "Judgment",
+    "JudgmentPublic",
     "Lesson",
     "LessonHit",
     "LessonIndex",

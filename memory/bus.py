@@ -30,6 +30,7 @@ import structlog
 TURN_CLOSED = "turn.closed"
 FEEDBACK_ADDED = "feedback.added"
 ADAPTER_PUBLISHED = "adapter.published"
+LESSON_ADDED = "lesson.added"
 
 log = structlog.get_logger(__name__)
 

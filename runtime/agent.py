@@ -25,7 +25,7 @@ import structlog
 from whet.config.settings import AgentConfig
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
-from whet.memory.store import Turn, TurnCreate, new_turn_id
+from whet.memory.tables import Turn, TurnCreate, new_turn_id
 from whet.runtime.chat_format import TOOL_CALL_OPEN
 from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
 from whet.runtime.tools import ToolInfo, ToolPool

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
-from whet.memory.store import TurnPublic, new_turn_id
+from whet.memory.tables import TurnPublic, new_turn_id
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware

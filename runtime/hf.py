@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
-from whet.runtime.chat_format import parse_tool_calls, render_chatml, template_messages
+from whet.learner.model import ModelLoadError, load_causal_lm, pick_device
+from whet.learner.prompt import prompt_text
+from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
 
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
@@ -118,8 +120,11 @@ class TransformersBackend:
         max_context_tokens: int = 4096,
     ) -> None:
         self.model_name = model_name or model_id_or_path
-        self.device = _device(device)
-        self.tokenizer, self.model = _load(model_id_or_path, self.device, dtype)
+        self.device = pick_device(device)
+        try:
+            self.tokenizer, self.model = load_causal_lm(model_id_or_path, self.device, dtype)
+        except ModelLoadError as exc:
+            raise BackendError(str(exc)) from exc
         positions = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
         self.context_tokens = min(max_context_tokens, positions)
         self.stop_token_ids = _stop_token_ids(self.tokenizer, self.model)
@@ -140,22 +145,12 @@ class TransformersBackend:
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The exact token ids the model sees for this request (chat template, generation prompt added)."""
-        msgs = template_messages(messages)
         with self._tokenizer_lock:
-            return self.tokenizer.encode(self._prompt_text(msgs, tools), add_special_tokens=False)
-
-    def _prompt_text(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
             try:
-                text = self.tokenizer.apply_chat_template(
-                    msgs, tools=tools or None, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # jinja raises its own error types, e.g. "roles must alternate"
-                message = f"the chat template of {self.model_name} rejected the messages: {exc}"
-                raise ValueError(message) from exc
-        else:
-            text = render_chatml(msgs, tools)
-        return text
+                text = prompt_text(self.tokenizer, messages, tools)
+            except ValueError as exc:
+                raise ValueError(f"{self.model_name}: {exc}") from exc
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- generation -----------------------------------------------------------
 
@@ -374,12 +369,6 @@ class TransformersBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i != -1]
     return min(hits) if hits else None
@@ -393,29 +382,3 @@ def _stop_token_ids(tokenizer: Any, model: Any) -> set[int]:
     if im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return {i for i in ids if isinstance(i, int)}
-
-
-def _load(model_id_or_path: str, device: torch.device, dtype: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(model_id_or_path).expanduser()
-    local = path.exists() or model_id_or_path.startswith(("/", ".", "~"))
-    if local and not path.is_dir():
-        raise BackendError(f"model folder {path} does not exist; pass a folder written by save_pretrained")
-    if local and not (path / "config.json").is_file():
-        raise BackendError(f"model folder {path} has no config.json; pass a folder saved by save_pretrained")
-    source = str(path) if local else model_id_or_path
-    torch_dtype: Any = dtype if dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
-    if isinstance(torch_dtype, str) and torch_dtype != "auto":
-        torch_dtype = getattr(torch, torch_dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local, dtype=torch_dtype)
-    except OSError as exc:
-        if local:
-            raise BackendError(f"cannot load the model in {path}: {exc}") from exc
-        raise BackendError(
-            f"cannot download {model_id_or_path}: offline? pass a local folder "
-            f"(or pre-fetch it into the HF cache). Cause: {exc}"
-        ) from exc
-    return tokenizer, model.to(device).eval()

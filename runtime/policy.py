@@ -127,15 +127,11 @@ def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
     ``id: demo`` (transformers) serves the demo model, built into ``data_dir/demo-model`` on first use.
     """
     if model.backend == "transformers":
+        from whet.learner.model import resolve_source
         from whet.runtime.hf import TransformersBackend
 
-        source = model.id
-        if model.id == "demo":
-            from whet.learner.demo_model import ensure_demo_model
-
-            source = str(ensure_demo_model(Path(data_dir).expanduser() / "demo-model"))
         return TransformersBackend(
-            source,
+            resolve_source(model.id, data_dir),
             device=model.device,
             dtype=model.dtype,
             workers=model.workers,

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from whet.runtime.chat_format import parse_tool_calls, render_chatml
+from whet.learner.prompt import render_chatml
+from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.policy import Generation, SamplingParams
 
 SCRIPTED_LOGPROB = -1.0  # log-prob reported for every scripted token

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from whet.runtime.chat_format import TOOL_CALL_OPEN, parse_tool_calls, render_chatml, template_messages
+from whet.learner.prompt import render_chatml, template_messages
+from whet.runtime.chat_format import TOOL_CALL_OPEN, parse_tool_calls
 
 TOOLS = [
     {

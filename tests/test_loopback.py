@@ -110,7 +110,7 @@ def test_whet_serve_with_a_local_model_folder_serves_a_tool_using_turn(tmp_path,
     import anyio
 
     from whet.config.settings import load_config
-    from whet.runtime.chat_format import template_messages
+    from whet.learner.prompt import template_messages
     from whet.runtime.tools import ToolPool
     from whet.servers import calc
 

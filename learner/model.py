@@ -1,0 +1,63 @@
+"""Loading the base causal LM, for serving and for training alike.
+
+One loader so the learner trains exactly the weights the runtime serves: an HF
+model id (from the local cache when offline) or a ``save_pretrained`` folder;
+``demo`` names the demo policy built in the data directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded; the message says what to pass instead."""
+
+
+def resolve_source(model_id: str, data_dir: Path) -> str:
+    """``model_id`` as something ``from_pretrained`` accepts (``demo`` is built on first use)."""
+    if model_id == "demo":
+        from whet.learner.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model(Path(data_dir).expanduser() / "demo-model"))
+    return model_id
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU; otherwise a torch device string (``cuda:1``)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_causal_lm(model_id_or_path: str, device: torch.device, dtype: str = "auto") -> tuple[Any, Any]:
+    """(tokenizer, model) on ``device`` in eval mode.
+
+    ``dtype``: ``auto`` = the checkpoint's dtype on CUDA and float32 on CPU, or a torch dtype name.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_id_or_path).expanduser()
+    local = path.exists() or model_id_or_path.startswith(("/", ".", "~"))
+    if local and not path.is_dir():
+        raise ModelLoadError(f"model folder {path} does not exist; pass a folder written by save_pretrained")
+    if local and not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {path} has no config.json; pass a folder saved by save_pretrained")
+    source = str(path) if local else model_id_or_path
+    torch_dtype: Any = dtype if dtype != "auto" else ("auto" if device.type == "cuda" else torch.float32)
+    if isinstance(torch_dtype, str) and torch_dtype != "auto":
+        torch_dtype = getattr(torch, torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local, dtype=torch_dtype)
+    except OSError as exc:
+        if local:
+            raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot download {model_id_or_path}: offline? pass a local folder "
+            f"(or pre-fetch it into the HF cache). Cause: {exc}"
+        ) from exc
+    return tokenizer, model.to(device).eval()
