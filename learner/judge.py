@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import httpx
@@ -77,6 +77,7 @@ class Verdict:
             raise ValueError(f"a verdict's score is -1, 0 or +1, got {self.score!r}")
 
 
+@runtime_checkable
 class Judge(Protocol):
     name: str
 
@@ -242,17 +243,11 @@ def _text(content: Any) -> str:
 
 
 def _call_name(turn: Turn, call_id: str | None) -> str | None:
-    for call in turn.tool_calls:
-        if call.get("id") == call_id:
-            return call.get("function", {}).get("name")
-    return None
+    return next((c.get("function", {}).get("name") for c in turn.tool_calls if c.get("id") == call_id), None)
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            return _text(message.get("content"))
-    return ""
+    return next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
 
 
 def _similarity(a: str, b: str) -> float:
@@ -266,6 +261,7 @@ def _similarity(a: str, b: str) -> float:
 # ----------------------------------------------------------------------------- chat model seam
 
 
+@runtime_checkable
 class ChatModel(Protocol):
     async def complete(self, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int) -> str:
         """The assistant's reply text to ``messages``; raises :class:`JudgeError` on failure."""
@@ -433,15 +429,13 @@ def _render_message(message: dict[str, Any]) -> str:
 def _render_next_state(next_state: NextState) -> str:
     data, lines = next_state.data, []
     if next_state.kind == "tool_result":
-        lines.append("The tools returned:")
-        lines += [_render_message(result) for result in data.get("results") or []]
+        lines = ["The tools returned:", *map(_render_message, data.get("results") or [])]
     elif next_state.kind == "user_message":
-        lines.append("The user's next message:")
-        lines += [_render_message(m) for m in data.get("messages") or []]
-    elif next_state.kind == "feedback" and not next_state.feedback and "score" in data:
-        lines.append(f"The user's feedback: score {float(data['score']):+.2f}, comment: {data.get('text') or '(none)'}")
-    for row in next_state.feedback:
-        lines.append(f"The user's feedback: score {row.score:+.2f}, comment: {row.text or '(none)'}")
+        lines = ["The user's next message:", *map(_render_message, data.get("messages") or [])]
+    feedback = [(row.score, row.text) for row in next_state.feedback]
+    if not feedback and next_state.kind == "feedback" and "score" in data:
+        feedback = [(float(data["score"]), data.get("text"))]
+    lines += [f"The user's feedback: score {score:+.2f}, comment: {text or '(none)'}" for score, text in feedback]
     return "\n".join(lines) or "(nothing)"
 
 

@@ -112,15 +112,14 @@ def _policy_gradient(
         adv = torch.broadcast_to(advantages, ratio.shape)  # [B, T]
         # Tokens whose gradient the clip removed: above the ceiling going up, below the floor going down.
         clipped = ((ratio > 1.0 + clip_high) & (adv > 0)) | ((ratio < 1.0 - clip_low) & (adv < 0))  # [B, T]
-        value = float(loss.detach())
-        return loss, {
-            "loss": value,
-            name: value,
+        stats = {
             "ratio_mean": float(_token_mean(ratio, mask)),
             "clip_frac": float(_token_mean(clipped.to(mask.dtype), mask)),
             "adv_mean": float(_token_mean(adv, mask)),
             "tokens": float(mask.sum()),
         }
+    value = float(loss.detach())
+    return loss, {"loss": value, name: value, **stats}
 
 
 _EMPTY_STATS = {"ratio_mean": 0.0, "clip_frac": 0.0, "adv_mean": 0.0, "tokens": 0.0}
@@ -148,8 +147,7 @@ class BinaryRL:
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         scored = batch.scores != 0  # [B]
         if not bool(scored.any()):
-            zero = _zero_loss(batch.logp)
-            return zero, {"loss": 0.0, "rl_loss": 0.0, **_EMPTY_STATS}
+            return _zero_loss(batch.logp), {"loss": 0.0, "rl_loss": 0.0, **_EMPTY_STATS}
         mask = batch.mask * scored.to(batch.mask.dtype)[:, None]  # [B, T]
         advantages = (batch.scores.to(batch.logp.dtype) - batch.baseline)[:, None]  # [B, 1]
         return _policy_gradient("rl_loss", batch, advantages, mask, self.clip_low, self.clip_high)
@@ -175,8 +173,7 @@ class HindsightOPD:
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         hinted = batch.has_hint
         if batch.teacher_logp is None or hinted is None or not bool(hinted.any()):
-            zero = _zero_loss(batch.logp)
-            return zero, {"loss": 0.0, "opd_loss": 0.0, **_EMPTY_STATS}
+            return _zero_loss(batch.logp), {"loss": 0.0, "opd_loss": 0.0, **_EMPTY_STATS}
         mask = batch.mask * hinted.to(batch.mask.dtype)[:, None]  # [B, T]
         advantages = opd_advantages(batch.teacher_logp, batch.logp, self.advantage_clip)  # [B, T]
         advantages = torch.where(mask > 0, advantages, torch.zeros_like(advantages))  # [B, T]

@@ -135,3 +135,42 @@ def _render_assistant_calls(message: dict[str, Any]) -> str:
         body = f'{{"name": "{function["name"]}", "arguments": {arguments}}}'
         out += f"\n{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
     return out + f"{IM_END}\n"
+
+
+HINT_TEMPLATE = "\n\n[hint] {hint}"  # how a hint joins the user's message in the teacher's context
+
+
+def with_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str, Any]] | None:
+    """``messages`` with ``hint`` added to the last user message (None when there is none)."""
+    out = [dict(m) for m in messages]
+    for message in reversed(out):
+        if message.get("role") == "user":
+            message["content"] = _content_text(message.get("content")) + HINT_TEMPLATE.format(hint=hint)
+            return out
+    return None
+
+
+def hinted_prompt_ids(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int], hint: str
+) -> list[int] | None:
+    """The teacher's prompt for hindsight distillation, as token ids: the recorded prompt with
+    ``hint`` added to the last user message.
+
+    Only the tail from the last user message on is tokenized here; everything before it is
+    the engine's own recorded ids (tool schemas included, which the turn does not keep).
+    Returns None when the tail cannot be lined up with the recorded ids (another template,
+    a tokenizer that merges across the boundary), and the caller skips distillation.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    hinted = with_hint(messages, hint)
+    if last_user is None or hinted is None:
+        return None
+    head = prompt_text(tokenizer, messages[:last_user], None, add_generation_prompt=False)
+    full = prompt_text(tokenizer, messages, None)
+    taught = prompt_text(tokenizer, hinted, None)
+    if not (full.startswith(head) and taught.startswith(head)):
+        return None
+    tail = tokenizer.encode(full[len(head):], add_special_tokens=False)
+    if not tail or list(prompt_ids[-len(tail):]) != tail:
+        return None
+    return list(prompt_ids[: len(prompt_ids) - len(tail)]) + tokenizer.encode(taught[len(head):], add_special_tokens=False)

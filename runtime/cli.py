@@ -1,4 +1,4 @@
-"""The ``whet`` command line: serve, tools, turns, chat.
+"""The ``whet`` command line: serve, learn, adapters, tools, turns, chat.
 
 Config problems end with one line naming the key and the fix, exit code 2.
 """
@@ -41,7 +41,28 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="HF model id or local model folder (default: the demo policy)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--no-learner", action="store_true",
+                       help="serve only; run `whet learn` elsewhere (same store and bus) to learn")  # fmt: skip
     serve.set_defaults(run=_serve)
+
+    learn = sub.add_parser("learn", help="run the learner on its own: judge, keep lessons, train and publish adapters")
+    _config_arg(learn)
+    learn.add_argument("--once", action="store_true", help="judge and train what is waiting, then exit")
+    learn.set_defaults(run=_learn)
+
+    adapters = sub.add_parser("adapters", help="list, inspect, promote or roll back adapter versions")
+    adapters_sub = adapters.add_subparsers(dest="action", required=True)
+    listing = adapters_sub.add_parser("list", help="every version with its status and gate result")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    show = adapters_sub.add_parser("show", help="one version in full (metrics, gate, the turns it trained on)")
+    show.add_argument("version")
+    promote = adapters_sub.add_parser("promote", help="make a version live now (skips the gate)")
+    promote.add_argument("version")
+    rollback = adapters_sub.add_parser("rollback", help="retire the live version and bring back its parent")
+    rollback.add_argument("--user", help="whose adapter, when learner.scope is user")
+    for parser_ in (listing, show, promote, rollback):
+        _config_arg(parser_)
+    adapters.set_defaults(run=_adapters)
 
     tools = sub.add_parser("tools", help="start the configured MCP servers and list their tools")
     _config_arg(tools)
@@ -84,7 +105,9 @@ def _serve(args: argparse.Namespace) -> int:
     from whet.runtime.policy import BackendError
     from whet.runtime.state import configured_tool_pool
 
-    overrides: dict[str, Any] = {"server": {}, "model": {}}
+    overrides: dict[str, Any] = {"server": {}, "model": {}, "learner": {}}
+    if args.no_learner:
+        overrides["learner"]["enabled"] = False
     if args.model:
         overrides["model"]["id"] = args.model
     if args.host:
@@ -114,6 +137,20 @@ def _load_backend(config: WhetConfig):
     what = "building the demo model (first start only) and loading it" if config.model.id == "demo" else "loading"
     with Console(stderr=True).status(f"{what} {config.model.id} ({config.model.backend})"):
         return create_backend(config.model, config.data_path)
+
+
+def _learn(args: argparse.Namespace) -> int:
+    from whet.learner.cli import learn
+
+    return learn(_load(args), once=args.once)
+
+
+def _adapters(args: argparse.Namespace) -> int:
+    from whet.learner.cli import adapters
+
+    config = _load(args)
+    return adapters(config, args.action, getattr(args, "version", None), getattr(args, "user", None),
+                    getattr(args, "json", False))  # fmt: skip
 
 
 def _tools(args: argparse.Namespace) -> int:

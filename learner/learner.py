@@ -1,0 +1,435 @@
+"""The learner: closed turns -> verdicts -> lessons and LoRA updates -> gate -> live.
+
+A thin async shell around pure parts (judges, objectives, gate) and one
+synchronous trainer that runs in its own worker thread. It talks to the world only
+through the store and the bus, so it runs inside ``whet serve`` or as ``whet learn``
+on another machine alike.
+
+Flow:
+
+1. ``turn.closed`` / ``feedback.added`` (and a periodic catch-up from the store, for
+   a learner that was away) -> the judge gives each closed turn a verdict.
+2. The verdict on a request's last step is also the verdict on its earlier steps
+   that their own next state (a tool result) left neutral: the user's correction of
+   an answer is a correction of the tool call that produced it.
+3. A hint, or a clear success, becomes a lesson at once (``lesson.added``).
+4. When ``batch_size`` trainable verdicts are waiting (or ``batch_timeout_s`` passed
+   with at least one), one optimizer step makes a candidate version from the live
+   one; the gate replays held-out turns; an accepted candidate is promoted and
+   published (``adapter.published``), a rejected one is kept with its reasons.
+5. After promotion, when the live version's rolling judged score falls below its
+   predecessor's by more than a margin, it is rolled back.
+
+Crash safety: a candidate folder is written completely under a temporary name and
+renamed into place, holding the adapter, the optimizer state and ``trainer_state.json``
+(batch turn ids, baseline, gate replay). Registering the version and marking its
+batch consumed is one store transaction. A restart finishes any version that reached
+disk but not the store; a step that never reached disk left nothing behind and its
+turns are trained then. So each turn is trained exactly once per lineage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import anyio
+import structlog
+
+from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
+from whet.learner.gate import PromotionGate, Replayed, load_regression_set
+from whet.learner.judge import (
+    ChatModel,
+    ComposedJudge,
+    Judge,
+    JudgeError,
+    LLMJudge,
+    NextState,
+    OpenAIChat,
+    RulesJudge,
+    Verdict,
+)
+from whet.learner.lessons import lesson_for
+from whet.learner.model import resolve_source
+from whet.learner.objective import RunningBaseline, build_objective
+from whet.learner.prompt import hinted_prompt_ids
+from whet.learner.registry import AdapterRegistry
+from whet.learner.trainer import LoraTrainer, Sample
+from whet.memory.bus import FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
+from whet.memory.store import Store
+from whet.memory.tables import Adapter, Judgment, Turn
+
+log = structlog.get_logger()
+
+TRAINER_STATE = "trainer_state.json"
+FINAL_KINDS = ("user_message", "feedback")  # next states that judge a whole request
+
+
+@dataclass
+class Progress:
+    """What the learner has done since it started (for the CLI and tests)."""
+
+    judged: int = 0
+    lessons: int = 0
+    steps: int = 0
+    promoted: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    rolled_back: list[str] = field(default_factory=list)
+    last_step: dict[str, Any] = field(default_factory=dict)
+
+
+class Learner:
+    """``trainer`` builds the LoraTrainer on first use (in the training thread); None = no weight updates.
+    ``regression``: pinned (prompt ids, response ids) pairs the gate replays."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        store: Store,
+        bus: Bus,
+        judge: Judge,
+        registry: AdapterRegistry,
+        *,
+        trainer: Callable[[], LoraTrainer] | None = None,
+        regression: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
+        on_step: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.bus = bus
+        self.judge = judge
+        self.registry = registry
+        self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance)
+        self.progress = Progress()
+        self._make_trainer = trainer if config.train else None
+        self._trainer: LoraTrainer | None = None
+        self._regression_loader = regression
+        self._regression: list[tuple[list[int], list[int]]] | None = None
+        self._on_step = on_step  # test hook: called in the training thread at named points
+        self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
+        self._judging = anyio.Lock()
+        self._training = anyio.Lock()
+        self._wake = anyio.Event()
+
+    # -- running --------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled: events are the fast path, a periodic store catch-up the safety net."""
+        async with self.bus.subscribe(TURN_CLOSED, FEEDBACK_ADDED) as events, anyio.create_task_group() as tg:
+            await self.recover()
+            await self.catch_up()
+            task_status.started()
+            tg.start_soon(self._follow, events)
+            while True:
+                with anyio.move_on_after(self.config.poll_s):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+                await self.catch_up()
+                await self.train_ready()
+
+    async def _follow(self, events: Any) -> None:
+        async for event in events:
+            turn_id = event.data.get("turn_id")
+            if not isinstance(turn_id, str):
+                continue
+            try:
+                await self.judge_turn(turn_id, rejudge=event.name == FEEDBACK_ADDED)
+            except JudgeError as exc:
+                log.warning("judging failed; the catch-up will retry", turn=turn_id, error=str(exc))
+            self._wake.set()
+
+    async def catch_up(self) -> int:
+        """Judge every closed turn that has no verdict yet; returns how many were judged."""
+        done = 0
+        while turns := await self.store.unjudged_turns(limit=256):
+            for turn in turns:
+                await self.judge_turn(turn.id)
+            done += len(turns)
+            if len(turns) < 256:
+                break
+        return done
+
+    # -- judging --------------------------------------------------------------
+
+    async def judge_turn(self, turn_id: str, *, rejudge: bool = False) -> Judgment | None:
+        """Give a closed turn its verdict (again, when ``rejudge``: explicit feedback arrived)."""
+        async with self._judging:
+            turn = await self.store.get_turn(turn_id)
+            if turn is None or turn.closed_at is None:
+                return None
+            if not rejudge and await self.store.get_judgment(turn_id) is not None:
+                return None
+            feedback = tuple(await self.store.list_feedback(turn_id))
+            verdict = await self.judge.judge(turn, NextState.of(turn, feedback), turn.prompt_messages)
+            row = await self._save(turn, verdict)
+            self.progress.judged += 1
+            if turn.next_state_kind in FINAL_KINDS or feedback:
+                request = await self.store.request_turns(turn.request_id)
+                await self._credit(request, turn, verdict)
+                if self.config.lessons:
+                    await self._lesson(request, verdict)
+                await self._watch_live(turn.user_id)
+            return row
+
+    async def _save(self, turn: Turn, verdict: Verdict, reason: str | None = None) -> Judgment:
+        has_tokens = bool(turn.response_token_ids) and len(turn.response_logprobs) == len(turn.response_token_ids)
+        return await self.store.save_judgment(
+            Judgment(
+                turn_id=turn.id,
+                user_id=turn.user_id,
+                request_id=turn.request_id,
+                policy_version=turn.policy_version,
+                score=verdict.score,
+                hint=verdict.hint,
+                reason=reason or verdict.reason,
+                judge=verdict.judge,
+                split=self._split(turn.request_id),
+                trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None),
+            )
+        )
+
+    def _split(self, request_id: str) -> str:
+        """Held out by request, deterministically, so all steps of a request land on one side."""
+        bucket = int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        return "holdout" if bucket < self.config.gate.holdout_fraction else "train"
+
+    async def _credit(self, request: list[Turn], final: Turn, verdict: Verdict) -> None:
+        """Earlier steps that their tool results left neutral share the request's outcome."""
+        if verdict.score == 0 and verdict.hint is None:
+            return
+        for turn in request:
+            if turn.step >= final.step or turn.closed_at is None:
+                continue
+            own = await self.store.get_judgment(turn.id)
+            if own is not None and (own.score != 0 or own.hint or own.trained_in):
+                continue
+            why = f"the request's outcome (turn {final.id}): {verdict.reason}"
+            await self._save(turn, Verdict(verdict.score, verdict.hint, why, "credit"))
+
+    async def _lesson(self, request: list[Turn], verdict: Verdict) -> None:
+        found = lesson_for(verdict, request)
+        if found is None:
+            return
+        text, kind = found
+        user_id = request[-1].user_id
+        if any(lesson.text == text for lesson in await self.store.list_lessons(user_id)):
+            return
+        lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id)
+        await self.bus.publish(LESSON_ADDED, {"lesson_id": lesson.id, "user_id": user_id})
+        self.progress.lessons += 1
+
+    # -- training -------------------------------------------------------------
+
+    def _owner(self, judgment: Judgment) -> str | None:
+        """The lineage a verdict trains: its user's (per-user scope) or the global one (None)."""
+        return judgment.user_id if self.config.scope == "user" else None
+
+    async def train_ready(self, *, force: bool = False) -> list[str]:
+        """Train one step for every lineage whose batch is ready (``force``: any waiting sample).
+        Returns the candidate versions made."""
+        if self._make_trainer is None:
+            return []
+        made = []
+        async with self._training:
+            waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
+            owners = sorted({self._owner(j) for j, _ in waiting}, key=lambda u: u or "")
+            for user_id in owners:
+                batch = [(j, t) for j, t in waiting if self._owner(j) == user_id][: self.config.batch_size]
+                age = time.time() - batch[0][0].created_at.timestamp()
+                if force or len(batch) >= self.config.batch_size or age >= self.config.batch_timeout_s:
+                    made.append(await self._train_step(user_id, batch))
+        return made
+
+    async def _train_step(self, user_id: str | None, batch: list[tuple[Judgment, Turn]]) -> str:
+        scope = self.config.scope
+        live = await self.store.live_adapter(scope, user_id)
+        version = await self.registry.next_version(scope, user_id)
+        folder = self.registry.folder(scope, user_id)
+        holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
+        held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
+        state = await anyio.to_thread.run_sync(
+            self._step_sync, version, folder, live, batch, held, limiter=self._limiter
+        )
+        await self._finish(version, scope, user_id, folder / version, state)
+        return version
+
+    def _trainer_now(self) -> LoraTrainer:
+        if self._trainer is None:
+            assert self._make_trainer is not None
+            self._trainer = self._make_trainer()
+            if self._regression_loader is not None:
+                self._regression = self._regression_loader(self._trainer.tokenizer)
+        return self._trainer
+
+    def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
+                   held: list[tuple[int, list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip
+        """Runs in the training thread: replay, one step, replay, save atomically."""
+        trainer = self._trainer_now()
+        parent = _parent_state(live)
+        trainer.reset(Path(live.path) if live else None)
+        baseline = (
+            RunningBaseline.from_dict(parent["baseline"])
+            if "baseline" in parent
+            else RunningBaseline(momentum=self.config.objective.baseline_momentum)
+        )
+        samples = [self._sample(trainer, j, t) for j, t in batch]
+        regression = self._regression or []
+        before = [trainer.mean_logprob(p, r) for _, p, r in held]
+        reg_before = [trainer.mean_logprob(p, r) for p, r in regression]
+        self._hook("before_step")
+        stats = trainer.step(samples, baseline.value)
+        baseline.update([s.score for s in samples])
+        after = [trainer.mean_logprob(p, r) for _, p, r in held]
+        reg_after = [trainer.mean_logprob(p, r) for p, r in regression]
+        self._hook("after_step")
+        state = {
+            "version": version,
+            "scope": self.config.scope,
+            "user_id": self._owner(batch[0][0]),
+            "parent": live.id if live else None,
+            "batch": [s.turn_id for s in samples],
+            "baseline": baseline.to_dict(),
+            "train": stats,
+            "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
+            "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
+        }
+        staging = folder / f".{version}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        trainer.save(staging)
+        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        self._hook("before_publish")
+        staging.rename(folder / version)  # the step exists from here on
+        self._hook("after_save")
+        return state
+
+    def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:
+        teacher = None
+        if judgment.hint:
+            teacher = hinted_prompt_ids(trainer.tokenizer, turn.prompt_messages, turn.prompt_token_ids, judgment.hint)
+        return Sample(
+            turn_id=turn.id,
+            prompt_ids=turn.prompt_token_ids,
+            response_ids=turn.response_token_ids,
+            behaviour_logprobs=turn.response_logprobs,
+            score=judgment.score,
+            teacher_prompt_ids=teacher,
+        )
+
+    def _hook(self, point: str) -> None:
+        if self._on_step is not None:
+            self._on_step(point)
+
+    async def _finish(self, version: str, scope: str, user_id: str | None, path: Path, state: dict[str, Any]) -> None:
+        """Register a saved version with its batch, then gate it: promote or reject."""
+        adapter = Adapter(id=version, scope=scope, user_id=user_id if scope == "user" else None, path=str(path),
+                          parent=state["parent"], metrics={"train": state["train"], "batch_size": len(state["batch"])})  # fmt: skip
+        await self.store.register_candidate(adapter, state["batch"])
+        row = await self.store.get_adapter(version)
+        if row is None or row.status != "candidate":
+            return  # decided before a restart
+        decision = self.gate.decide(
+            [Replayed(*r) for r in state["holdout"]], [Replayed(*r) for r in state["regression"]]
+        )
+        gate = {"accepted": decision.accepted, "reason": decision.reason, **decision.metrics}
+        self.progress.steps += 1
+        self.progress.last_step = {"version": version, **gate}
+        if decision.accepted:
+            await self.registry.promote(version, gate=gate)
+            self.progress.promoted.append(version)
+            log.info("adapter promoted", version=version, reason=decision.reason)
+        else:
+            await self.store.update_adapter(version, status="rejected", metrics={**row.metrics, "gate": gate})
+            self.progress.rejected.append(version)
+            log.warning("adapter rejected", version=version, reason=decision.reason)
+
+    async def recover(self) -> None:
+        """Finish versions a crash left between disk and store, and drop half-written folders."""
+        if not self.registry.root.is_dir():
+            return
+        for state_file in sorted(self.registry.root.rglob(TRAINER_STATE)):
+            folder = state_file.parent
+            if folder.name.startswith("."):
+                continue
+            state = json.loads(state_file.read_text())
+            row = await self.store.get_adapter(state["version"])
+            if row is None or row.status == "candidate":
+                log.info("finishing a version a restart interrupted", version=state["version"])
+                await self._finish(state["version"], state["scope"], state["user_id"], folder, state)
+        for partial in self.registry.root.rglob(".*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    # -- rollback -------------------------------------------------------------
+
+    async def _watch_live(self, user_id: str) -> None:
+        """Roll back a live version whose rolling judged score fell below its predecessor's."""
+        owner = user_id if self.config.scope == "user" else None
+        live = await self.store.live_adapter(self.config.scope, owner)
+        if live is None:
+            return
+        window = self.config.gate.rollback_window
+        now = await self.store.recent_scores(live.id, window)
+        before = await self.store.recent_scores(live.parent, window)
+        if len(now) < window or len(before) < window:
+            return
+        if fmean(now) < fmean(before) - self.config.gate.rollback_margin:
+            reason = f"rolling judged score {fmean(now):+.2f} fell below its predecessor's {fmean(before):+.2f}"
+            await self.registry.rollback(self.config.scope, owner, reason)
+            self.progress.rolled_back.append(live.id)
+            log.warning("adapter rolled back", version=live.id, reason=reason)
+
+
+def _parent_state(live: Adapter | None) -> dict[str, Any]:
+    if live is None:
+        return {}
+    path = Path(live.path) / TRAINER_STATE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel | None = None) -> Learner:
+    """The learner ``config`` describes. ``chat``: the served model, for an LLM judge without its own endpoint.
+
+    Raises ConfigError for a setting that cannot work (an LLM judge with no model to ask,
+    a regression set that does not exist).
+    """
+    learner = config.learner
+    judge: Judge = RulesJudge()
+    if learner.judge.kind == "rules+llm":
+        j = learner.judge
+        if j.base_url:
+            chat = OpenAIChat(j.base_url, j.api_key, model=j.model or config.model.name)
+        if chat is None:
+            raise ConfigError("learner.judge.base_url", "the LLM judge has no model to ask when the learner runs "
+                              "without the server", "set learner.judge.base_url to an OpenAI-compatible endpoint")  # fmt: skip
+        judge = ComposedJudge(judge, LLMJudge(chat, votes=j.votes, temperature=j.temperature))
+    regression = learner.gate.regression_set
+    if regression is not None and not Path(regression).expanduser().is_file():
+        raise ConfigError("learner.gate.regression_set", f"{regression} does not exist", "point it at a JSONL file or null")
+    trainer = None
+    if config.model.backend == "openai":
+        log.info("the openai backend cannot change weights: the learner keeps lessons only")
+    else:
+        o = learner.objective
+        objective = build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
+                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
+
+        def trainer() -> LoraTrainer:
+            source = resolve_source(config.model.id, config.data_path)
+            return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
+
+    return Learner(
+        learner,
+        store,
+        bus,
+        judge,
+        AdapterRegistry(store, bus, config.data_path / "adapters"),
+        trainer=trainer,
+        regression=(lambda tokenizer: load_regression_set(regression, tokenizer)) if regression else None,
+    )

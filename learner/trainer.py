@@ -1,0 +1,188 @@
+"""The LoRA trainer: one optimizer step per batch of judged turns, on the serving base model.
+
+Synchronous torch code, meant to run in a worker thread (or its own process):
+the async learner hands it a batch and awaits the result, so the event loop never
+waits on a step.
+
+Log-probs are recomputed from the token ids the engine recorded, never from
+re-tokenized text; the importance ratio is taken against the engine's own
+behaviour log-probs. The teacher of hindsight distillation is the same policy,
+evaluated before the update on the recorded prompt with the hint added
+(:func:`whet.learner.prompt.hinted_prompt_ids`).
+
+The trainable adapter is peft's ``default`` so that ``save_pretrained`` writes an
+ordinary adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+that the runtime loads under its version name. The optimizer state is saved beside
+it (``optimizer.pt``, which peft ignores), so a lineage resumes exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from whet.config.settings import LoraConfig
+from whet.learner.model import load_causal_lm, pick_device
+from whet.learner.objective import Objective, TokenBatch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One judged model action, as the engine produced it."""
+
+    turn_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]  # one per response id, recorded at serving time
+    score: int  # -1, 0, +1
+    teacher_prompt_ids: list[int] | None = None  # the prompt with the hint added; None = no hint
+
+    def __post_init__(self) -> None:
+        if not self.response_ids or len(self.response_ids) != len(self.behaviour_logprobs):
+            raise ValueError(f"turn {self.turn_id}: needs response token ids and one behaviour log-prob per id")
+
+
+class LoraTrainer:
+    """A peft LoRA adapter on a causal LM, with its optimizer."""
+
+    def __init__(self, model: Any, tokenizer: Any, lora: LoraConfig, objective: Objective) -> None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model, get_peft_model_state_dict
+
+        self.tokenizer = tokenizer
+        self.lora = lora
+        self.objective = objective
+        peft_config = PeftLoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        with _quiet_peft():
+            self.model = get_peft_model(model, peft_config)
+        self.device = next(self.model.parameters()).device
+        # LoRA starts as the identity (B = 0): this copy is "the base weights" for reset(None)
+        self._initial = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        self.optimizer = self._new_optimizer()
+        self.model.eval()
+
+    @classmethod
+    def load(cls, source: str, lora: LoraConfig, objective: Objective, *, device: str = "auto",
+             dtype: str = "auto") -> LoraTrainer:  # fmt: skip
+        """Load the base model (HF id or folder, as the runtime does) and wrap it."""
+        tokenizer, model = load_causal_lm(source, pick_device(device), dtype)
+        return cls(model, tokenizer, lora, objective)
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
+
+    # -- state ----------------------------------------------------------------
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's weights (peft state-dict names), detached copies."""
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def reset(self, adapter_dir: Path | None) -> None:
+        """Continue from a saved version (weights and optimizer state), or from the base weights."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if adapter_dir is None:
+            weights = self._initial
+        else:
+            weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS), device=str(self.device))
+        with _quiet_peft():
+            set_peft_model_state_dict(self.model, weights)
+        self.optimizer = self._new_optimizer()
+        saved = Path(adapter_dir) / OPTIMIZER_STATE if adapter_dir is not None else None
+        if saved is not None and saved.is_file():
+            self.optimizer.load_state_dict(torch.load(saved, map_location=self.device, weights_only=True))
+
+    def save(self, out_dir: Path) -> None:
+        """Write the adapter (peft safetensors format) and the optimizer state into ``out_dir``."""
+        out_dir = Path(out_dir)
+        with _quiet_peft():
+            self.model.save_pretrained(str(out_dir), safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), out_dir / OPTIMIZER_STATE)
+
+    # -- log-probs ------------------------------------------------------------
+
+    def response_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
+        """log p(response_t | prompt, response_<t) under the current adapter, [T]; grad follows torch's mode."""
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)  # [1, P+T]
+        start = len(prompt_ids) - 1
+        logits = self.model(ids).logits[0, start:-1].float()  # [T, V]: position i predicts token i+1
+        targets = torch.tensor(list(response_ids), device=self.device)  # [T]
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]  # [T]
+
+    def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        """The average per-token log-prob of a response: the promotion gate's replay measure."""
+        with torch.no_grad():
+            return float(self.response_logprobs(prompt_ids, response_ids).mean())
+
+    # -- the step ---------------------------------------------------------------
+
+    def step(self, samples: Sequence[Sample], baseline: float) -> dict[str, float]:
+        """One optimizer step on ``samples``; returns the objective's statistics."""
+        if not samples:
+            raise ValueError("a training step needs at least one sample")
+        with torch.no_grad():  # the teacher is the policy as it is now, before this step
+            teacher = [
+                self.response_logprobs(s.teacher_prompt_ids, s.response_ids)
+                if s.teacher_prompt_ids
+                else torch.zeros(len(s.response_ids), device=self.device)
+                for s in samples
+            ]
+            reference = None
+            if getattr(self.objective, "kl_weight", 0.0) > 0:
+                with self.model.disable_adapter():
+                    reference = [self.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
+        self.model.train()
+        try:
+            student = [self.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
+            batch = TokenBatch(
+                logp=pad_sequence(student, batch_first=True),  # [B, T]
+                old_logp=_padded([s.behaviour_logprobs for s in samples], self.device),  # [B, T]
+                mask=_padded([[1.0] * len(s.response_ids) for s in samples], self.device),  # [B, T]
+                scores=torch.tensor([float(s.score) for s in samples], device=self.device),  # [B]
+                teacher_logp=pad_sequence(teacher, batch_first=True),  # [B, T]
+                has_hint=torch.tensor([s.teacher_prompt_ids is not None for s in samples], device=self.device),
+                ref_logp=pad_sequence(reference, batch_first=True) if reference is not None else None,
+                baseline=baseline,
+            )
+            loss, stats = self.objective.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
+            self.optimizer.step()
+        finally:
+            self.model.eval()
+        stats["samples"] = float(len(samples))
+        return stats
+
+
+def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    return pad_sequence([torch.tensor(list(r), dtype=torch.float32, device=device) for r in rows], batch_first=True)
+
+
+class _quiet_peft(warnings.catch_warnings):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing``; not ours to fix."""
+
+    def __enter__(self) -> Any:
+        entered = super().__enter__()
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return entered

@@ -1,0 +1,324 @@
+"""The learner on a tiny in-process model: trainer step, OPD sign, gate, crash safety, judging to lessons."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from whet.config.settings import LearnerConfig, LoraConfig
+from whet.learner.demo_model import build_tiny_model
+from whet.learner.judge import RulesJudge
+from whet.learner.learner import TRAINER_STATE, Learner
+from whet.learner.objective import build_objective
+from whet.learner.prompt import hinted_prompt_ids, prompt_text
+from whet.learner.registry import AdapterRegistry
+from whet.learner.trainer import LoraTrainer, Sample
+from whet.memory.bus import LESSON_ADDED, MemoryBus
+from whet.memory.experience import Experience
+from whet.memory.store import Store, open_store
+from whet.memory.tables import Judgment, TurnCreate
+
+from tinytrain import memorize
+
+SYSTEM = {"role": "system", "content": "You are whet."}
+LORA = LoraConfig(rank=4, alpha=8, learning_rate=5e-3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def new_trainer(model: Path, kind: str = "combined", lora: LoraConfig = LORA) -> LoraTrainer:
+    objective = build_objective(kind, clip_low=0.2, clip_high=0.28, advantage_clip=5.0, rl_weight=1.0,
+                                opd_weight=1.0, kl_weight=0.0)  # fmt: skip
+    return LoraTrainer.load(str(model), lora, objective, device="cpu")
+
+
+def encode_turn(trainer: LoraTrainer, question: str, answer: str) -> tuple[list[dict], list[int], list[int]]:
+    messages = [SYSTEM, {"role": "user", "content": question}]
+    prompt = trainer.tokenizer.encode(prompt_text(trainer.tokenizer, messages, None), add_special_tokens=False)
+    response = trainer.tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+    return messages, prompt, response
+
+
+def sample(trainer: LoraTrainer, turn_id: str, question: str, answer: str, score: int) -> Sample:
+    _, prompt, response = encode_turn(trainer, question, answer)
+    with torch.no_grad():
+        behaviour = trainer.response_logprobs(prompt, response).tolist()
+    return Sample(turn_id, prompt, response, behaviour, score)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def test_a_training_step_changes_the_lora_weights_and_leaves_the_base_weights_untouched(tiny_model):
+    trainer = new_trainer(tiny_model)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    lora = trainer.lora_state()
+    batch = [sample(trainer, "t1", "What time is it?", "It is nine.", 1),
+             sample(trainer, "t2", "What time is it?", "No idea.", -1)]  # fmt: skip
+    stats = trainer.step(batch, baseline=0.0)
+    after = trainer.lora_state()
+    changed = [k for k in lora if not torch.equal(lora[k], after[k])]
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)  # B starts at zero: the adapter now does something
+    for name, param in trainer.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base[name]), name
+    assert stats["samples"] == 2 and stats["grad_norm"] > 0
+
+
+def test_the_adapter_round_trips_through_save_and_load(tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer = new_trainer(tiny_model)
+    trainer.step([sample(trainer, "t1", "Hello?", "Hi there.", 1)], baseline=0.0)
+    trainer.save(tmp_path / "v1")
+    assert (tmp_path / "v1" / "adapter_config.json").is_file()
+    assert (tmp_path / "v1" / "adapter_model.safetensors").is_file()
+
+    again = new_trainer(tiny_model)
+    again.reset(tmp_path / "v1")
+    saved, loaded = trainer.lora_state(), again.lora_state()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert again.optimizer.state_dict()["state"], "the optimizer state resumes with the weights"
+
+    # an ordinary peft folder: the serving side loads it the same way
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    served = PeftModel.from_pretrained(base, str(tmp_path / "v1")).eval()
+    _, prompt, response = encode_turn(trainer, "Hello?", "Hi there.")
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = served(ids).logits[0, len(prompt) - 1 : -1]
+    served_logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    with torch.no_grad():
+        assert torch.allclose(served_logp, trainer.response_logprobs(prompt, response), atol=1e-5)
+
+    again.reset(None)  # back to the base weights
+    with torch.no_grad():
+        assert not torch.allclose(again.response_logprobs(prompt, response), trainer.response_logprobs(prompt, response))
+
+
+def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_model, tmp_path):
+    # a policy that answers "Paris" but, told the user meant Lisbon, answers "Lisbon"
+    question, hint = "What time is it at home?", "The user meant Lisbon time"
+    plain = [SYSTEM, {"role": "user", "content": question}]
+    hinted = [SYSTEM, {"role": "user", "content": question + f"\n\n[hint] {hint}"}]
+    taught = memorize(tiny_model, tmp_path / "taught", [
+        (plain, [], {"role": "assistant", "content": "In Paris it is 10:00."}),
+        (hinted, [], {"role": "assistant", "content": "In Lisbon it is 09:00."}),
+    ], steps=200)  # fmt: skip
+    trainer = new_trainer(taught, kind="opd")
+    messages, prompt, response = encode_turn(trainer, question, "In Lisbon it is 09:00.")
+    teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, hint)
+    assert teacher_prompt is not None and teacher_prompt[: len(prompt) - 8] == prompt[: len(prompt) - 8]
+    with torch.no_grad():
+        student = trainer.response_logprobs(prompt, response)
+        teacher = trainer.response_logprobs(teacher_prompt, response)
+    assert float((teacher - student).sum()) > 1.0  # the corrected action gets positive advantage overall
+
+    behaviour = student.tolist()
+    corrected = Sample("t1", prompt, response, behaviour, score=0, teacher_prompt_ids=teacher_prompt)
+    unhinted = Sample("t2", prompt, response, behaviour, score=0)
+    stats = trainer.step([corrected, unhinted], baseline=0.0)
+    with torch.no_grad():
+        after = trainer.response_logprobs(prompt, response)
+    assert stats["adv_mean"] > 0
+    assert float(after.sum()) > float(student.sum())
+
+
+# ----------------------------------------------------------------------------- learner around a store
+
+
+@pytest.fixture
+async def store(tmp_path) -> AsyncIterator[Store]:
+    store = open_store(f"sqlite:///{tmp_path / 'whet.db'}")
+    yield store
+    await store.aclose()
+
+
+def learner_config(**overrides) -> LearnerConfig:
+    base = {"batch_size": 4, "batch_timeout_s": 3600, "lora": LORA.model_dump(),
+            "gate": {"holdout_fraction": 0.0, "tolerance": 0.0}}  # fmt: skip
+    return LearnerConfig.model_validate({**base, **overrides})
+
+
+def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Path, root: Path, **kw) -> Learner:
+    def trainer() -> LoraTrainer:
+        o = config.objective
+        objective = build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
+                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
+        return LoraTrainer.load(str(model), config.lora, objective, device="cpu")
+
+    return Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, root), trainer=trainer, **kw)
+
+
+async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer: str, score: int, split: str,
+                      user: str = "alice") -> str:  # fmt: skip
+    """A recorded, closed turn with a verdict written directly (the split chosen by the test)."""
+    session = await store.create_session(user)
+    messages, prompt, response = encode_turn(encoder, question, answer)
+    with torch.no_grad():
+        behaviour = encoder.response_logprobs(prompt, response).tolist()
+    turn = await store.add_turn(TurnCreate(
+        session_id=session.id, user_id=user, request_id=f"req-{session.id}", step=0, model="tiny",
+        prompt_messages=messages, prompt_token_ids=prompt, response_text=answer,
+        response_token_ids=response, response_logprobs=behaviour,
+    ))  # fmt: skip
+    await store.close_turn(turn.id, "feedback", {"score": score, "text": None})
+    await store.save_judgment(Judgment(turn_id=turn.id, user_id=user, request_id=turn.request_id, score=score,
+                                       reason="test", judge="test", split=split, trainable=True))  # fmt: skip
+    return turn.id
+
+
+QUESTIONS = ["What time is it?", "Tell me the time.", "Time now?", "What is the time please?"]
+GOOD, BAD = "It is 09:00 in Lisbon.", "I cannot help with that."
+
+
+async def seed_preferences(store: Store, encoder: LoraTrainer, *, train_scores: tuple[int, int]) -> list[str]:
+    """Held-out turns: GOOD +1, BAD -1. Training turns: GOOD and BAD with ``train_scores``."""
+    for q in QUESTIONS[:2]:
+        await judged_turn(store, encoder, q, GOOD, +1, "holdout")
+        await judged_turn(store, encoder, q, BAD, -1, "holdout")
+    trained = []
+    for q in QUESTIONS:
+        trained.append(await judged_turn(store, encoder, q, GOOD, train_scores[0], "train"))
+        trained.append(await judged_turn(store, encoder, q, BAD, train_scores[1], "train"))
+    return trained
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("scores", "accepted"), [((+1, -1), True), ((-1, +1), False)], ids=["true", "inverted"])
+async def test_the_gate_rejects_a_candidate_trained_on_inverted_rewards(tiny_model, tmp_path, store, scores, accepted):
+    config = learner_config(batch_size=8, objective={"kind": "rl"},
+                            lora={**LORA.model_dump(), "learning_rate": 2e-2})  # fmt: skip
+    bus = MemoryBus()
+    learner = make_learner(config, store, bus, tiny_model, tmp_path / "adapters")
+    await seed_preferences(store, new_trainer(tiny_model), train_scores=scores)
+    [version] = await learner.train_ready()
+    row = await store.get_adapter(version)
+    gate = row.metrics["gate"]
+    assert gate["holdout_turns"] == 4 and gate["accepted"] is accepted
+    assert row.status == ("live" if accepted else "rejected"), gate
+    assert (gate["preference_margin"] > 0) is accepted
+    live = await store.live_adapter("global")
+    assert (live.id if live else None) == (version if accepted else None)
+
+
+class Crash(Exception):
+    """Stands in for the process dying at a chosen point of a training step."""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("point", ["before_step", "after_step", "before_publish", "after_save"])
+async def test_a_learner_killed_mid_batch_trains_every_turn_exactly_once_after_restart(
+    tiny_model, tmp_path, store, point
+):
+    config = learner_config(batch_size=4)
+    root = tmp_path / "adapters"
+    encoder = new_trainer(tiny_model)
+    turns = []
+    for i in range(12):
+        turns.append(await judged_turn(store, encoder, QUESTIONS[i % 4], GOOD if i % 2 else BAD, 1 if i % 2 else -1,
+                                       "train"))  # fmt: skip
+    calls = {"n": 0}
+
+    def die_in_second_step(at: str) -> None:
+        if at == point:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise Crash(at)
+
+    first = make_learner(config, store, MemoryBus(), tiny_model, root, on_step=die_in_second_step)
+    await first.train_ready()  # step 1 completes
+    with pytest.raises(Crash):
+        await first.train_ready()  # step 2 dies at `point`
+
+    second = make_learner(config, store, MemoryBus(), tiny_model, root)
+    await second.recover()
+    while await second.train_ready(force=True):
+        pass
+    # the live lineage, newest to oldest, and the batches its steps trained on
+    live = await store.live_adapter("global")
+    batches, version = [], live.id
+    while version is not None:
+        state = json.loads((Path((await store.get_adapter(version)).path) / TRAINER_STATE).read_text())
+        batches.extend(state["batch"])
+        version = state["parent"]
+    assert sorted(batches) == sorted(turns), "each turn trained once, none lost"
+    consumed = {t: (await store.get_judgment(t)).trained_in for t in turns}
+    assert all(consumed.values())
+    assert not list(root.rglob("*.partial"))
+
+
+@pytest.mark.anyio
+async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_step_and_a_lesson(tmp_path, store):
+    bus = MemoryBus()
+    await bus.start()
+    experience = Experience(store, bus)
+    learner = Learner(learner_config(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
+    session = await store.create_session("alice")
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Europe/Paris"}'}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
+    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
+                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "10:00"}]})
+    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 10:00.",
+                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    async with bus.subscribe(LESSON_ADDED) as events:
+        await learner.catch_up()  # judges the tool step: ran fine, so neutral for now
+        assert (await store.get_judgment(step0.id)).score == 0
+        await experience.close_open(session.id, "user_message",
+                                    {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})
+        await learner.catch_up()
+        event = await anext(aiter(events))
+    final, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
+    assert (final.score, final.hint) == (-1, "The user meant Lisbon time")
+    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, "The user meant Lisbon time", "credit")
+    assert tool_step.trainable and final.trainable
+    lesson = await store.get_lesson(event.data["lesson_id"])
+    assert lesson.text == 'When asked "What time is it at home?": The user meant Lisbon time'
+    await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_live_adapter_whose_judged_score_falls_below_its_predecessors_is_rolled_back(tmp_path, store):
+    from whet.memory.bus import ADAPTER_PUBLISHED
+    from whet.memory.tables import Adapter
+
+    bus = MemoryBus()
+    await bus.start()
+    config = learner_config(train=False, gate={"rollback_window": 4, "rollback_margin": 0.25})
+    learner = Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
+    for version, parent in (("global-0001", None), ("global-0002", "global-0001")):
+        await store.add_adapter(Adapter(id=version, path=str(tmp_path / version), parent=parent))
+        await store.promote_adapter(version)
+    session = await store.create_session("alice")
+
+    async def rated(version: str, score: float) -> str:
+        turn = await store.add_turn(TurnCreate(session_id=session.id, user_id="alice", request_id=f"r{score}{version}",
+                                               step=0, model="tiny", policy_version=version))  # fmt: skip
+        await Experience(store, bus).feedback(turn, score, None)
+        return turn.id
+
+    for _ in range(4):
+        await learner.judge_turn(await rated("global-0001", 1.0))
+    async with bus.subscribe(ADAPTER_PUBLISHED) as events:
+        for _ in range(3):
+            await learner.judge_turn(await rated("global-0002", -1.0))
+        assert (await store.live_adapter("global")).id == "global-0002", "not before the window is full"
+        await learner.judge_turn(await rated("global-0002", -1.0))
+        event = await anext(aiter(events))
+    assert event.data == {"adapter_id": "global-0001", "scope": "global", "user_id": None}
+    assert (await store.live_adapter("global")).id == "global-0001"
+    retired = await store.get_adapter("global-0002")
+    assert retired.status == "retired" and "fell below" in retired.metrics["rolled_back"]
+    assert learner.progress.rolled_back == ["global-0002"]
+    await bus.aclose()
