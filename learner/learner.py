@@ -49,7 +49,6 @@ from whet.learner.judge import (
     ChatModel,
     ComposedJudge,
     Judge,
-    JudgeError,
     LLMJudge,
     NextState,
     OpenAIChat,
@@ -121,18 +120,26 @@ class Learner:
     # -- running --------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled: events are the fast path, a periodic store catch-up the safety net."""
+        """Run until cancelled: events are the fast path, a periodic store catch-up the safety net.
+
+        A failing round is logged and retried on the next one; the learner never takes serving down."""
         async with self.bus.subscribe(TURN_CLOSED, FEEDBACK_ADDED) as events, anyio.create_task_group() as tg:
-            await self.recover()
-            await self.catch_up()
+            await self._round(self.recover)
+            await self._round(self.catch_up)
             task_status.started()
             tg.start_soon(self._follow, events)
             while True:
                 with anyio.move_on_after(self.config.poll_s):
                     await self._wake.wait()
                 self._wake = anyio.Event()
-                await self.catch_up()
-                await self.train_ready()
+                await self._round(self.catch_up)
+                await self._round(self.train_ready)
+
+    async def _round(self, work: Callable[[], Any]) -> None:
+        try:
+            await work()
+        except Exception:  # e.g. the store briefly unreachable, a judge endpoint down
+            log.exception("learner round failed; retrying on the next one", work=work.__name__)
 
     async def _follow(self, events: Any) -> None:
         async for event in events:
@@ -141,8 +148,8 @@ class Learner:
                 continue
             try:
                 await self.judge_turn(turn_id, rejudge=event.name == FEEDBACK_ADDED)
-            except JudgeError as exc:
-                log.warning("judging failed; the catch-up will retry", turn=turn_id, error=str(exc))
+            except Exception as exc:  # the catch-up judges it later
+                log.warning("judging failed; the catch-up will retry", turn=turn_id, error=repr(exc))
             self._wake.set()
 
     async def catch_up(self) -> int:
@@ -393,25 +400,35 @@ def _parent_state(live: Adapter | None) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def check_config(config: WhetConfig, *, standalone: bool) -> None:
+    """Raise ConfigError for learner settings that cannot work (checked before a server binds).
+
+    ``standalone``: the learner runs without the server, so an LLM judge needs its own endpoint."""
+    learner = config.learner
+    if learner.judge.kind == "rules+llm" and standalone and not learner.judge.base_url:
+        raise ConfigError("learner.judge.base_url", "the LLM judge has no model to ask when the learner runs "
+                          "without the server", "set learner.judge.base_url to an OpenAI-compatible endpoint")  # fmt: skip
+    regression = learner.gate.regression_set
+    if regression is not None and not Path(regression).expanduser().is_file():
+        raise ConfigError("learner.gate.regression_set", f"{regression} does not exist", "point it at a JSONL file or null")
+
+
 def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel | None = None) -> Learner:
     """The learner ``config`` describes. ``chat``: the served model, for an LLM judge without its own endpoint.
 
     Raises ConfigError for a setting that cannot work (an LLM judge with no model to ask,
     a regression set that does not exist).
     """
+    check_config(config, standalone=chat is None)
     learner = config.learner
     judge: Judge = RulesJudge()
     if learner.judge.kind == "rules+llm":
         j = learner.judge
         if j.base_url:
             chat = OpenAIChat(j.base_url, j.api_key, model=j.model or config.model.name)
-        if chat is None:
-            raise ConfigError("learner.judge.base_url", "the LLM judge has no model to ask when the learner runs "
-                              "without the server", "set learner.judge.base_url to an OpenAI-compatible endpoint")  # fmt: skip
+        assert chat is not None  # check_config
         judge = ComposedJudge(judge, LLMJudge(chat, votes=j.votes, temperature=j.temperature))
     regression = learner.gate.regression_set
-    if regression is not None and not Path(regression).expanduser().is_file():
-        raise ConfigError("learner.gate.regression_set", f"{regression} does not exist", "point it at a JSONL file or null")
     trainer = None
     if config.model.backend == "openai":
         log.info("the openai backend cannot change weights: the learner keeps lessons only")

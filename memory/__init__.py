@@ -2,8 +2,8 @@
 
 from whet.memory.bus import (
     ADAPTER_PUBLISHED,
-    LESSON_ADDED,
     FEEDBACK_ADDED,
+    LESSON_ADDED,
     TURN_CLOSED,
     Bus,
     Event,

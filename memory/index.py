@@ -160,12 +160,16 @@ class LessonIndex:
             return len(self._lessons)
 
     def add(self, lesson_id: int, user_id: str, text: str) -> None:
-        """Index one lesson; adding an id again replaces it."""
+        """Index one lesson. Idempotent: the same lesson again does nothing (not even embed it);
+        an id that comes back with another user or text is replaced."""
         self.add_many([(lesson_id, user_id, text)])
 
     def add_many(self, items: Iterable[tuple[int, str, str]]) -> None:
-        """Index ``(lesson_id, user_id, text)`` triples; ids seen before are replaced."""
+        """Index ``(lesson_id, user_id, text)`` triples; as :meth:`add`, for many at once."""
         latest = {int(lesson_id): (user_id, text) for lesson_id, user_id, text in items}
+        with self._lock:
+            # a lesson may arrive twice (a repeated event, then the poll): skip what is already indexed
+            latest = {i: lesson for i, lesson in latest.items() if self._lessons.get(i) != lesson}
         if not latest:
             return
         ids = np.fromiter(latest, dtype=np.int64, count=len(latest))  # [n]

@@ -5,8 +5,10 @@ action is recorded as a Turn with the engine's own token ids and log-probs;
 a tool result closes its turn at once, and the final answer's turn stays
 open until the user's next message or explicit feedback closes it.
 
-The adapter is pinned when the request starts: a swap that happens while the
-request runs does not change the adapter it finishes on.
+The adapter is pinned when the request starts: the agent takes a lease from
+the adapter router for the whole request (every step, streaming included), so
+a swap that happens while the request runs does not change the adapter it
+finishes on, and that adapter stays loaded until the request is over.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,7 @@ from whet.config.settings import AgentConfig
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
 from whet.memory.tables import Turn, TurnCreate, new_turn_id
+from whet.runtime.adapters import AdapterRouter
 from whet.runtime.chat_format import TOOL_CALL_OPEN
 from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
 from whet.runtime.tools import ToolInfo, ToolPool
@@ -40,7 +44,9 @@ class TurnRequest:
     messages: list[dict[str, Any]]  # OpenAI dicts, as the client sent them
     client_tools: list[dict[str, Any]]  # tools the client executes itself
     params: SamplingParams
-    adapter: str | None  # pinned for the whole request
+    # the adapter pinned for the whole request (None = base weights); an agent with a router
+    # sets it when the request starts, from the version live for the user then
+    adapter: str | None = None
     request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex)
 
 
@@ -69,6 +75,7 @@ class Agent:
         index: LessonIndex,
         config: AgentConfig,
         metrics: Any = None,
+        adapters: AdapterRouter | None = None,
     ) -> None:
         self.backend = backend
         self.tools = tools
@@ -76,16 +83,38 @@ class Agent:
         self.index = index
         self.config = config
         self.metrics = metrics
+        self.adapters = adapters  # None: requests run on whatever ``request.adapter`` names
         self._tool_vectors: dict[str, np.ndarray] = {}  # "name: description" -> embedding
 
     async def run(self, request: TurnRequest) -> AgentResult:
-        async for event in self.events(request):
-            if isinstance(event, AgentResult):
-                return event
+        # closed on return, so the adapter lease ends with the request, not when the generator is collected
+        async with aclosing(self.events(request)) as events:
+            async for event in events:
+                if isinstance(event, AgentResult):
+                    return event
         raise RuntimeError("agent loop ended without a result")  # pragma: no cover
 
     async def events(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
-        """Text deltas of what the model says to the user, then one AgentResult."""
+        """Text deltas of what the model says to the user, then one AgentResult.
+
+        The adapter is pinned at the first iteration and held until the iterator ends,
+        fails, is closed (``contextlib.aclosing``) or its task is cancelled.
+        """
+        with self._pinned(request):
+            async with aclosing(self._steps(request)) as steps:
+                async for event in steps:
+                    yield event
+
+    @contextmanager
+    def _pinned(self, request: TurnRequest) -> Iterator[None]:
+        if self.adapters is None:
+            yield
+            return
+        with self.adapters.lease(request.user_id) as version:
+            request.adapter = version
+            yield
+
+    async def _steps(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
         messages = await self._context(request)
         tools = await self._tool_specs(request, messages)
         client_names = {t["function"]["name"] for t in request.client_tools}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any
 
 import structlog
@@ -233,7 +233,8 @@ async def _turn_request(
         stop=body.stop_list,
     )
     client_tools = [t.model_dump() for t in body.tools or []]
-    return TurnRequest(user_id, session_id, messages, client_tools, params, res.adapters.current(user_id))
+    # no adapter here: the agent pins one when the request starts and holds it to the end
+    return TurnRequest(user_id, session_id, messages, client_tools, params)
 
 
 async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
@@ -272,21 +273,23 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
 
     opened = False
     try:
-        async for event in res.agent.events(request):
-            chunk_id = event.turn_id if isinstance(event, Delta) else event.turn.id
-            if not opened:  # the first chunk names the role, under the id of the turn that speaks
-                opened = True
-                yield chunk({"role": "assistant", "content": ""})
-            if isinstance(event, Delta):
-                yield chunk({"content": event.text})
-                continue
-            result: AgentResult = event
-            if result.client_tool_calls:
-                yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
-            yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk(None, usage=result.usage)
-            await _remember_tip(res, request, result)
+        # aclosing: however this stream ends, the agent's adapter lease ends with it
+        async with aclosing(res.agent.events(request)) as events:
+            async for event in events:
+                chunk_id = event.turn_id if isinstance(event, Delta) else event.turn.id
+                if not opened:  # the first chunk names the role, under the id of the turn that speaks
+                    opened = True
+                    yield chunk({"role": "assistant", "content": ""})
+                if isinstance(event, Delta):
+                    yield chunk({"content": event.text})
+                    continue
+                result: AgentResult = event
+                if result.client_tool_calls:
+                    yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
+                yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield chunk(None, usage=result.usage)
+                await _remember_tip(res, request, result)
     except ValueError as exc:  # the backend refuses bad input (e.g. a prompt over the context)
         yield failed(str(exc), "invalid_request_error")
     except BackendError as exc:

@@ -117,6 +117,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load(args, overrides)
     structlog.get_logger().info("config", **config.redacted())
     tools = configured_tool_pool(config)  # a bad mcpServers file stops here, not inside the server
+    if config.learner.enabled:
+        from whet.learner.learner import check_config
+
+        check_config(config, standalone=False)
     try:
         backend = _load_backend(config)
     except BackendError as exc:

@@ -359,7 +359,9 @@ class TransformersBackend:
                 return
             self._adapters.discard(name)
             self._in_use_cond.wait_for(lambda: self._in_use[name] == 0)
-        with self._lock.write():
+        with self._lock.write(), warnings.catch_warnings():
+            # peft notes that its "active" adapter changes; whet routes per request and never uses it
+            warnings.filterwarnings("ignore", message=".*was active which is now deleted", category=UserWarning)
             self._peft.delete_adapter(name)
 
     def adapters(self) -> list[str]:

@@ -110,6 +110,17 @@ class PolicyBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
+class BackendChat:
+    """The served model as a plain chat model (what the learner's LLM judge asks)."""
+
+    def __init__(self, backend: PolicyBackend) -> None:
+        self.backend = backend
+
+    async def complete(self, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int) -> str:
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
+        return (await self.backend.generate(messages, [], params)).content
+
+
 class BackendError(Exception):
     """An engine failed in a way a person can act on (remote HTTP error, model that cannot load).
 

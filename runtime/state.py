@@ -8,10 +8,12 @@ factory instead of patching globals.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -20,14 +22,16 @@ import structlog
 
 from whet.config.mcp import load_mcp_servers
 from whet.config.settings import WhetConfig
+from whet.learner.learner import open_learner
 from whet.memory.bus import Bus, open_bus
 from whet.memory.experience import Experience
 from whet.memory.index import Embedder, LessonIndex, open_embedder
 from whet.memory.store import Store, open_store
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.agent import Agent
+from whet.runtime.follower import Follower
 from whet.runtime.metrics import Metrics
-from whet.runtime.policy import PolicyBackend, create_backend
+from whet.runtime.policy import BackendChat, PolicyBackend, create_backend
 from whet.runtime.tools import ToolPool
 
 log = structlog.get_logger()
@@ -45,11 +49,28 @@ class Resources:
     adapters: AdapterRouter
     agent: Agent
     metrics: Metrics
+    follower: Follower
     started_at: float = field(default_factory=time.time)
 
     @property
     def model_name(self) -> str:
         return self.config.model.name
+
+
+@asynccontextmanager
+async def _background(name: str, run: Callable[[], Awaitable[None]]) -> AsyncIterator[asyncio.Task[None]]:
+    """A task that lives as long as the context; cancelled (and awaited) when it exits."""
+    task = asyncio.create_task(run(), name=name)
+    task.add_done_callback(
+        lambda t: t.cancelled() or t.exception() is None or log.error("background task died", task=name,
+                                                                      error=repr(t.exception()))  # fmt: skip
+    )
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def mcp_variables(config: WhetConfig) -> dict[str, str]:
@@ -90,11 +111,25 @@ async def open_resources(
         if backend is None:
             backend = await anyio.to_thread.run_sync(create_backend, config.model, config.data_path)
         stack.push_async_callback(backend.aclose)
-        await stack.enter_async_context(tools or configured_tool_pool(config))
+        tools = await stack.enter_async_context(tools or configured_tool_pool(config))
         adapters = AdapterRouter(backend, store, config.learner)
-        await adapters.restore()
+        stack.push_async_callback(adapters.aclose)  # pending unloads finish before the backend closes
+        # entering reconciles adapters with the store (what a restart needs), then follows bus and store
+        cursor = max((lesson.id or 0 for lesson in lessons), default=0)
+        follower = await stack.enter_async_context(
+            Follower(store, bus, adapters, index, config.learner.poll_s, lesson_cursor=cursor)
+        )
+        if config.learner.enabled:  # the default deployment: the learner alongside, in the background
+            learner = open_learner(config, store, bus, chat=BackendChat(backend))
+            await stack.enter_async_context(_background("whet-learner", learner.run))
         metrics = Metrics()
         experience = Experience(store, bus)
-        agent = Agent(backend, tools, experience, index, config.agent, metrics)
-        log.info("whet ready", model=config.model.name, tools=len(tools.tools()), lessons=len(index))
-        yield Resources(config, store, bus, experience, index, backend, tools, adapters, agent, metrics)
+        agent = Agent(backend, tools, experience, index, config.agent, metrics, adapters=adapters)
+        log.info(
+            "whet ready", model=config.model.name, tools=len(tools.tools()), lessons=len(index),
+            adapter=adapters.live_version(),
+        )
+        yield Resources(
+            config=config, store=store, bus=bus, experience=experience, index=index, backend=backend,
+            tools=tools, adapters=adapters, agent=agent, metrics=metrics, follower=follower,
+        )

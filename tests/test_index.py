@@ -80,6 +80,23 @@ def test_adding_a_lesson_id_again_replaces_it():
     assert index.search("alice", "sailing", k=5)[0].text == "new text about sailing"
 
 
+def test_adding_the_same_lesson_again_does_nothing_and_embeds_nothing():
+    embedded: list[str] = []
+
+    class Counting(HashingEmbedder):
+        def embed(self, texts: list[str]) -> np.ndarray:
+            embedded.extend(texts)
+            return super().embed(texts)
+
+    index = LessonIndex(Counting())
+    index.add(7, "alice", "a lesson delivered twice")
+    index.add(7, "alice", "a lesson delivered twice")
+    index.add_many([(7, "alice", "a lesson delivered twice"), (8, "bob", "another")])
+    assert embedded == ["a lesson delivered twice", "another"]
+    assert len(index) == 2
+    assert [h.lesson_id for h in index.search("alice", "lesson", k=5)] == [7]
+
+
 def test_remove_user_forgets_only_that_users_lessons():
     index = LessonIndex(HashingEmbedder())
     index.add_many(LESSONS)

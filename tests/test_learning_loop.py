@@ -1,0 +1,84 @@
+"""The loop closes on one machine: serve -> record -> judge -> train -> gate -> swap, in a live `whet serve`.
+
+A real uvicorn process on a tiny local model with the learner alongside (the
+default deployment); the test only talks HTTP to it and reads the store file
+afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from whet.memory.store import open_store
+
+from test_loopback import tiny_model, whet_serve  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.loopback
+
+BATCH = 4
+
+
+def chat(client: httpx.Client, text: str) -> str:
+    """One request in a fresh session; returns the turn id of the answer."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    response = client.post("/v1/chat/completions", json=body, headers={"X-Whet-Session": uuid.uuid4().hex})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def wait_for(check, deadline_s: float = 120.0, every_s: float = 0.02):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(every_s)  # polling a separate process over HTTP: there is no event to wait on
+    pytest.fail(f"not reached within {deadline_s}s")
+
+
+def test_feedback_bearing_turns_put_a_new_adapter_live_without_a_restart(tmp_path, tiny_model):  # noqa: F811
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {}}))
+    config = {
+        "model": {"id": str(tiny_model), "served_name": "tiny", "max_new_tokens": 8},
+        "mcp": {"config": str(mcp_file)},
+        "learner": {"batch_size": BATCH, "batch_timeout_s": 3600, "poll_s": 0.2, "gate": {"holdout_fraction": 0.0}},
+    }
+    with whet_serve(tmp_path, config) as base, httpx.Client(base_url=base, timeout=60) as client:
+        started = client.get("/health").json()
+        assert started["adapter"] is None
+        for i in range(BATCH):
+            turn_id = chat(client, f"Remind me about task {i}")
+            assert client.get(f"/v1/turns/{turn_id}").json()["policy_version"] is None
+            thumbs = "up" if i % 2 == 0 else "down"
+            assert client.post("/v1/feedback", json={"turn_id": turn_id, "thumbs": thumbs}).status_code == 201
+        version = wait_for(lambda: client.get("/health").json()["adapter"])
+        serving_at = time.time()
+        after = client.get("/health").json()
+        assert after["uptime_s"] >= started["uptime_s"], "the same process, not a restart"
+        later = chat(client, "Remind me about the next task")
+        assert client.get(f"/v1/turns/{later}").json()["policy_version"] == version
+
+    async def read_store():
+        store = open_store(f"sqlite:///{tmp_path / 'data' / 'whet.db'}")
+        try:
+            adapter = await store.get_adapter(version)
+            judged = await store.list_judgments(trained_in=version)
+            return adapter, judged
+        finally:
+            await store.aclose()
+
+    adapter, judged = anyio.run(read_store)
+    assert adapter.status == "live" and adapter.metrics["gate"]["accepted"]
+    assert len(judged) == BATCH and {j.score for j in judged} == {1, -1}
+    assert Path(adapter.path, "adapter_model.safetensors").is_file()
+    latency = serving_at - max(j.created_at.timestamp() for j in judged)
+    print(f"\nlast judged turn of the batch -> {version} serving: {latency:.2f} s")
+    assert latency > 0
