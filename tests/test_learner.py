@@ -322,3 +322,22 @@ async def test_a_live_adapter_whose_judged_score_falls_below_its_predecessors_is
     assert retired.status == "retired" and "fell below" in retired.metrics["rolled_back"]
     assert learner.progress.rolled_back == ["global-0002"]
     await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_per_user_scope_trains_one_lineage_per_user(tiny_model, tmp_path, store):
+    config = learner_config(scope="user", batch_size=2)
+    learner = make_learner(config, store, MemoryBus(), tiny_model, tmp_path / "adapters")
+    encoder = new_trainer(tiny_model)
+    for user in ("alice", "bob"):
+        await judged_turn(store, encoder, "Time?", GOOD, +1, "train", user=user)
+        await judged_turn(store, encoder, "Time?", BAD, -1, "train", user=user)
+    made = await learner.train_ready()
+    assert sorted(made) == ["user-alice-0001", "user-bob-0001"]
+    for user in ("alice", "bob"):
+        live = await store.live_adapter("user", user)
+        assert live.id == f"user-{user}-0001" and live.user_id == user
+        assert Path(live.path).parent == tmp_path / "adapters" / "user" / user
+        trained = await store.list_judgments(trained_in=live.id)
+        assert {j.user_id for j in trained} == {user}
+    assert await store.live_adapter("global") is None

@@ -8,6 +8,9 @@ afterwards.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import yaml
 
 from whet.memory.store import open_store
 
@@ -82,3 +86,56 @@ def test_feedback_bearing_turns_put_a_new_adapter_live_without_a_restart(tmp_pat
     latency = serving_at - max(j.created_at.timestamp() for j in judged)
     print(f"\nlast judged turn of the batch -> {version} serving: {latency:.2f} s")
     assert latency > 0
+
+
+def whet_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}
+    return subprocess.run([sys.executable, "-m", "whet.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+def test_serve_without_learner_and_whet_learn_elsewhere_talk_only_through_postgresql_and_mqtt(
+    tmp_path, tiny_model, postgres_schema_url, mqtt_url  # noqa: F811
+):
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {}}))
+    bus = f"{mqtt_url}/whet-test-{uuid.uuid4().hex[:8]}"
+    config = {
+        "model": {"id": str(tiny_model), "served_name": "tiny", "max_new_tokens": 8},
+        "mcp": {"config": str(mcp_file)},
+        "store": {"url": postgres_schema_url},
+        "bus": {"url": bus},
+        # the server's store poll is slow on purpose: what reaches it within the test came over MQTT
+        "learner": {"enabled": False, "batch_size": 2, "poll_s": 600, "gate": {"holdout_fraction": 0.0}},
+    }
+    learn_config = tmp_path / "learn.yaml"
+    learn_config.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "data"), **config,
+                                            "learner": {**config["learner"], "enabled": True}}))  # fmt: skip
+    with whet_serve(tmp_path, config) as base, httpx.Client(base_url=base, timeout=60) as client:
+        for i, thumbs in enumerate(("up", "down")):
+            turn_id = chat(client, f"Add milk to list {i}")
+            assert client.post("/v1/feedback", json={"turn_id": turn_id, "thumbs": thumbs}).status_code == 201
+
+        learned = whet_cli("learn", "--once", "--config", str(learn_config))
+        assert learned.returncode == 0, learned.stderr
+        assert "steps 1 (1 promoted" in learned.stdout
+        version = wait_for(lambda: client.get("/health").json()["adapter"], deadline_s=30)
+        assert version == "global-0001"
+        assert client.get(f"/v1/turns/{chat(client, 'Add eggs')}").json()["policy_version"] == version
+
+        listed = whet_cli("adapters", "list", "--json", "--config", str(learn_config))
+        assert listed.returncode == 0, listed.stderr
+        [row] = json.loads(listed.stdout)
+        assert row["id"] == version and row["status"] == "live" and len(row["trained_on"]) == 2
+
+        rolled = whet_cli("adapters", "rollback", "--config", str(learn_config))
+        assert rolled.returncode == 0 and "now serving the base weights" in rolled.stdout, rolled.stderr
+        wait_for(lambda: client.get("/health").json()["adapter"] is None, deadline_s=30)
+        assert client.get(f"/v1/turns/{chat(client, 'Add tea')}").json()["policy_version"] is None
+
+        promoted = whet_cli("adapters", "promote", version, "--config", str(learn_config))
+        assert promoted.returncode == 0, promoted.stderr
+        wait_for(lambda: client.get("/health").json()["adapter"] == version, deadline_s=30)
+
+        missing = whet_cli("adapters", "show", "global-9999", "--config", str(learn_config))
+        assert missing.returncode == 1 and "whet adapters list" in missing.stderr and "Traceback" not in missing.stderr
