@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from rich.console import Console
@@ -26,8 +26,6 @@ from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import Bus, open_bus
 from whet.memory.store import Store, open_store
 
-T = TypeVar("T")
-
 
 @asynccontextmanager
 async def _opened(config: WhetConfig, role: str) -> AsyncIterator[tuple[Store, Bus]]:
@@ -39,10 +37,6 @@ async def _opened(config: WhetConfig, role: str) -> AsyncIterator[tuple[Store, B
     finally:
         await bus.aclose()
         await store.aclose()
-
-
-def _run(work: Callable[[], Awaitable[T]]) -> T:
-    return anyio.run(work)
 
 
 # ----------------------------------------------------------------------------- whet learn
@@ -67,7 +61,7 @@ def learn(config: WhetConfig, *, once: bool) -> int:
                             await anyio.sleep(0.5)
             print(_summary(learner))
 
-    _run(main)
+    anyio.run(main)
     return 0
 
 
@@ -122,7 +116,7 @@ def adapters(config: WhetConfig, action: str, version: str | None = None, user: 
             print(f"{live.id} is live for {live.scope}{f' user {live.user_id}' if live.user_id else ''}")
             return 0
 
-    return _run(main)
+    return anyio.run(main)
 
 
 def _fail(message: str) -> int:

@@ -30,6 +30,7 @@ import anyio
 import httpx
 import structlog
 
+from whet.learner.prompt import content_text, last_user_text
 from whet.memory.store import Feedback, Turn
 
 HINT_LIMIT = 200  # characters; a hint is a directive, not a transcript
@@ -182,7 +183,7 @@ class RulesJudge:
     def _tool_result(self, turn: Turn, data: dict[str, Any]) -> Verdict:
         results = data.get("results") or []
         for result in results:
-            content = _text(result.get("content")).strip()
+            content = content_text(result.get("content")).strip()
             if content.lower().startswith("error:"):
                 name = result.get("name") or _call_name(turn, result.get("tool_call_id")) or "the tool"
                 message = _clip(" ".join(content[len("error:"):].split()))
@@ -193,11 +194,11 @@ class RulesJudge:
         replies = [m for m in data.get("messages") or [] if m.get("role") == "user"]
         if not replies:
             return self._verdict(0, None, "no user message followed")
-        reply = " ".join(_text(replies[0].get("content")).replace("\u2019", "'").split())
+        reply = " ".join(content_text(replies[0].get("content")).replace("\u2019", "'").split())
         hint = correction_hint(reply)
         if hint is not None:
             return self._verdict(-1, hint, "the user corrected the answer")
-        if _REQUERY.match(reply) or _similarity(reply, _last_user_text(context)) >= REQUERY_SIMILARITY:
+        if _REQUERY.match(reply) or _similarity(reply, last_user_text(context)) >= REQUERY_SIMILARITY:
             hint = _clip(f"The user had to ask again: {_third_person(_tidy(reply))}")
             return self._verdict(-1, hint, "the user asked again")
         if _PRAISE.search(reply):
@@ -233,21 +234,8 @@ def _clip(text: str, limit: int = HINT_LIMIT) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
 
 
-def _text(content: Any) -> str:
-    """Message content as text: a string, None, or a list of OpenAI content parts."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content)
-
-
 def _call_name(turn: Turn, call_id: str | None) -> str | None:
     return next((c.get("function", {}).get("name") for c in turn.tool_calls if c.get("id") == call_id), None)
-
-
-def _last_user_text(messages: list[dict[str, Any]]) -> str:
-    return next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
 
 
 def _similarity(a: str, b: str) -> float:
@@ -421,7 +409,7 @@ def _render_message(message: dict[str, Any]) -> str:
     role = message.get("role", "?")
     if role == "tool" and message.get("name"):
         role = f"tool ({message['name']})"
-    parts = [_clip(_text(message.get("content")).strip(), _MESSAGE_LIMIT)]
+    parts = [_clip(content_text(message.get("content")).strip(), _MESSAGE_LIMIT)]
     parts += [_render_call(call) for call in message.get("tool_calls") or []]
     return f"{role}: " + " ".join(part for part in parts if part)
 

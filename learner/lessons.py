@@ -8,10 +8,10 @@ lessons to new requests by similarity.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from whet.learner.judge import Verdict
+from whet.learner.prompt import canonical_arguments, last_user_text
 from whet.memory.tables import Turn
 
 MAX_CHARS = 300
@@ -24,31 +24,15 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     """
     if not request:
         return None
-    asked = _last_user_text(request[0].prompt_messages)
+    asked = last_user_text(request[0].prompt_messages).strip()
     where = f'When asked "{_clip(asked, 120)}": ' if asked else ""
     if verdict.hint:
         return _clip(where + verdict.hint, MAX_CHARS), "hint"
     calls = [call["function"] for turn in request for call in turn.tool_calls]
     if verdict.score > 0 and calls:
-        used = ", ".join(f"{c['name']}({_args(c.get('arguments'))})" for c in calls)
+        used = ", ".join(f"{c['name']}({canonical_arguments(c.get('arguments', '{}'))})" for c in calls)
         return _clip(f"{where}calling {used} was right.", MAX_CHARS), "success"
     return None
-
-
-def _last_user_text(messages: Sequence[dict]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user" and isinstance(message.get("content"), str):
-            return message["content"].strip()
-    return ""
-
-
-def _args(arguments: object) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
 
 
 def _clip(text: str, limit: int) -> str:

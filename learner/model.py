@@ -7,6 +7,9 @@ model id (from the local cache when offline) or a ``save_pretrained`` folder;
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +64,14 @@ def load_causal_lm(model_id_or_path: str, device: torch.device, dtype: str = "au
             f"(or pre-fetch it into the HF cache). Cause: {exc}"
         ) from exc
     return tokenizer, model.to(device).eval()
+
+
+@contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence two peft warnings that are not ours to act on: it reads transformers' deprecated
+    ``is_gradient_checkpointing``, and it notes when its "active" adapter is deleted (whet routes
+    adapters per request and never uses peft's active one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*was active which is now deleted", category=UserWarning)
+        yield

@@ -62,19 +62,35 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     out = []
     for message in messages:
         message = dict(message)
-        message["content"] = _content_text(message.get("content"))
+        message["content"] = content_text(message.get("content"))
         if message.get("tool_calls"):
             message["tool_calls"] = [_template_call(call) for call in message["tool_calls"]]
         out.append(message)
     return out
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """Message content as text: a string, None, or a list of OpenAI content parts."""
     if content is None:
         return ""
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     return str(content)
+
+
+def last_user_text(messages: Sequence[dict[str, Any]]) -> str:
+    """The text of the last user message ("" when there is none)."""
+    return next((content_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+
+
+def canonical_arguments(arguments: str | dict[str, Any]) -> str:
+    """Tool-call arguments as sorted JSON, however they were serialised; an unparseable string as is."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +161,7 @@ def with_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str, A
     out = [dict(m) for m in messages]
     for message in reversed(out):
         if message.get("role") == "user":
-            message["content"] = _content_text(message.get("content")) + HINT_TEMPLATE.format(hint=hint)
+            message["content"] = content_text(message.get("content")) + HINT_TEMPLATE.format(hint=hint)
             return out
     return None
 

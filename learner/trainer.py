@@ -18,7 +18,6 @@ it (``optimizer.pt``, which peft ignores), so a lineage resumes exactly.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from whet.config.settings import LoraConfig
-from whet.learner.model import load_causal_lm, pick_device
+from whet.learner.model import load_causal_lm, pick_device, quiet_peft
 from whet.learner.objective import Objective, TokenBatch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -68,7 +67,7 @@ class LoraTrainer:
             target_modules=list(lora.target_modules),
             task_type="CAUSAL_LM",
         )
-        with _quiet_peft():
+        with quiet_peft():
             self.model = get_peft_model(model, peft_config)
         self.device = next(self.model.parameters()).device
         # LoRA starts as the identity (B = 0): this copy is "the base weights" for reset(None)
@@ -104,7 +103,7 @@ class LoraTrainer:
             weights = self._initial
         else:
             weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS), device=str(self.device))
-        with _quiet_peft():
+        with quiet_peft():
             set_peft_model_state_dict(self.model, weights)
         self.optimizer = self._new_optimizer()
         saved = Path(adapter_dir) / OPTIMIZER_STATE if adapter_dir is not None else None
@@ -114,7 +113,7 @@ class LoraTrainer:
     def save(self, out_dir: Path) -> None:
         """Write the adapter (peft safetensors format) and the optimizer state into ``out_dir``."""
         out_dir = Path(out_dir)
-        with _quiet_peft():
+        with quiet_peft():
             self.model.save_pretrained(str(out_dir), safe_serialization=True)
         torch.save(self.optimizer.state_dict(), out_dir / OPTIMIZER_STATE)
 
@@ -177,12 +176,3 @@ class LoraTrainer:
 
 def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
     return pad_sequence([torch.tensor(list(r), dtype=torch.float32, device=device) for r in rows], batch_first=True)
-
-
-class _quiet_peft(warnings.catch_warnings):
-    """peft reads transformers' deprecated ``is_gradient_checkpointing``; not ours to fix."""
-
-    def __enter__(self) -> Any:
-        entered = super().__enter__()
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        return entered

@@ -26,6 +26,7 @@ import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
+from whet.learner.prompt import canonical_arguments, last_user_text
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
 from whet.memory.tables import Turn, TurnCreate, new_turn_id
@@ -152,7 +153,7 @@ class Agent:
 
     async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
         messages = [dict(m) for m in request.messages]
-        lessons = await self._lessons(request.user_id, _last_user_text(messages))
+        lessons = await self._lessons(request.user_id, last_user_text(messages))
         system = self.config.system_prompt
         if messages and messages[0]["role"] == "system":
             system = messages.pop(0)["content"] or ""
@@ -176,7 +177,7 @@ class Agent:
     async def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         infos = self.tools.tools()
         if len(infos) > self.config.tools_k:
-            query = _last_user_text(messages)
+            query = last_user_text(messages)
             infos = await anyio.to_thread.run_sync(self._relevant_tools, infos, query)
         return self.tools.openai_tools([i.name for i in infos]) + list(request.client_tools)
 
@@ -262,13 +263,6 @@ def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
 
 
-def _last_user_text(messages: list[dict[str, Any]]) -> str:
-    for message in reversed(messages):
-        if message["role"] == "user":
-            return message.get("content") or ""
-    return ""
-
-
 def _approx_tokens(text: str) -> int:
     return len(text) // 4 + 1
 
@@ -293,19 +287,10 @@ def conversation_hash(user_id: str, messages: list[dict[str, Any]]) -> str:
     canon = []
     for m in messages:
         calls = [
-            (c["function"]["name"], _canonical_args(c["function"].get("arguments", "{}")))
+            (c["function"]["name"], canonical_arguments(c["function"].get("arguments", "{}")))
             for c in (m.get("tool_calls") or [])
         ]
         role = "system" if m["role"] == "developer" else m["role"]
         canon.append([role, (m.get("content") or "").strip(), calls])
     blob = json.dumps([user_id, canon], ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _canonical_args(arguments: str | dict[str, Any]) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)

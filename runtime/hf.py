@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from whet.learner.model import ModelLoadError, load_causal_lm, pick_device
+from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quiet_peft
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
@@ -334,9 +333,7 @@ class TransformersBackend:
             raise ValueError(f"adapter name {name!r} is already in use; load each version under a new name")
         if not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"adapter folder {path} has no adapter_config.json; pass a folder saved by peft")
-        with self._lock.write(), warnings.catch_warnings():
-            # peft reads transformers' deprecated `is_gradient_checkpointing`; not ours to fix
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with self._lock.write(), quiet_peft():
             if self._peft is None:
                 self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
             else:
@@ -359,9 +356,7 @@ class TransformersBackend:
                 return
             self._adapters.discard(name)
             self._in_use_cond.wait_for(lambda: self._in_use[name] == 0)
-        with self._lock.write(), warnings.catch_warnings():
-            # peft notes that its "active" adapter changes; whet routes per request and never uses it
-            warnings.filterwarnings("ignore", message=".*was active which is now deleted", category=UserWarning)
+        with self._lock.write(), quiet_peft():
             self._peft.delete_adapter(name)
 
     def adapters(self) -> list[str]:

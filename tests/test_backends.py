@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -100,14 +98,6 @@ def model_dir(data_dir) -> Path:
     return data_dir / "demo-model"
 
 
-@contextmanager
-def _quiet_peft():
-    """peft reads transformers' deprecated ``is_gradient_checkpointing``: a third-party FutureWarning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        yield
-
-
 @pytest.fixture(scope="module")
 def adapter_dir(model_dir, tmp_path_factory) -> Path:
     """A LoRA adapter on the tiny model whose B weights are perturbed, so it changes the outputs."""
@@ -115,11 +105,10 @@ def adapter_dir(model_dir, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    with _quiet_peft():
-        model = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(model_dir),
-            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-        )
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -284,8 +273,7 @@ def _reference_logprobs(model_dir, adapter_dir, generation) -> tuple[list[float]
 
     plain = AutoModelForCausalLM.from_pretrained(model_dir)
     on_base = _raw_logprobs(plain, generation.prompt_token_ids, generation.token_ids)
-    with _quiet_peft():
-        tuned = PeftModel.from_pretrained(plain, adapter_dir)
+    tuned = PeftModel.from_pretrained(plain, adapter_dir)
     return on_base, _raw_logprobs(tuned, generation.prompt_token_ids, generation.token_ids)
 
 

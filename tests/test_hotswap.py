@@ -9,9 +9,8 @@ produced it, checked token for token against a separate reference engine.
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +37,6 @@ GREEDY = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0)
 VERSIONS = ("v1", "v2", "v3")
 
 
-@contextmanager
-def _quiet_peft():
-    """peft reads transformers' deprecated ``is_gradient_checkpointing``: a third-party FutureWarning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        yield
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     from whet.learner.demo_model import build_tiny_model
@@ -63,7 +54,7 @@ def adapter_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
     dirs = {}
     for seed, version in enumerate(VERSIONS, start=1):
         # peft draws lora_A from the global RNG: seed it, without moving it for the tests after this one
-        with torch.random.fork_rng(devices=[]), _quiet_peft():
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = get_peft_model(
                 AutoModelForCausalLM.from_pretrained(tiny_model),
