@@ -47,6 +47,9 @@ class ModelConfig(Section):
     backend: Literal["transformers", "openai", "vllm"] = "transformers"
     # HF model id, local folder, or "demo" (the demo policy built into the data dir)
     id: str = "demo"
+    # what ``id: demo`` builds on first use: the trained demo policy (minutes on a CPU), or an
+    # untrained model of the same kind in seconds (for tests of the serving paths)
+    demo_size: Literal["demo", "tiny"] = "demo"
     # name clients use in the `model` field; defaults to the id
     served_name: str | None = None
     device: str = "auto"

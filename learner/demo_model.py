@@ -1,13 +1,20 @@
-"""The demo policy: a tiny Qwen2-shaped model built locally, with no download.
+"""The demo policy: a tiny Qwen2-shaped model trained here, from scratch, with no download.
 
-:func:`build_tiny_model` trains a byte-level BPE tokenizer on a small built-in
-corpus of chat and tool-call text, gives it the Qwen2.5 ChatML chat template
-(:data:`CHAT_TEMPLATE`, which renders exactly what
-``whet.learner.prompt.render_chatml`` renders), initialises a Qwen2 causal
-LM of the requested size from a seed, and saves both with ``save_pretrained``
-so ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained(out_dir)`` load
-it offline. The weights are random: it generates noise, but real noise, with
-real token ids and log-probs, which is what the serving and learning paths need.
+:func:`build_demo_model` (``whet demo-model build``; ``model.id: demo`` runs it on
+first start) writes supervised conversations over the bundled MCP servers
+(``whet.learner.demo_data``), learns a byte-level BPE tokenizer from them, and
+trains a Qwen2 causal LM of a few million parameters on the assistant's parts
+of those conversations, rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as
+the server renders prompts. The result is an ordinary HF folder
+(``save_pretrained``) that ``AutoTokenizer`` / ``AutoModelForCausalLM`` load
+offline. It is a demo policy for trying the loop: it calls the bundled tools,
+answers from their results and follows lessons and hints, and knows nothing
+else.
+
+:func:`build_tiny_model` writes an *untrained* model of the same kind in a
+second, with Qwen2.5's own template (:data:`CHAT_TEMPLATE`, which renders
+exactly what ``whet.learner.prompt.render_chatml`` renders): real token ids
+and log-probs for tests of the serving and learning paths.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -85,6 +94,24 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}"""
+
+# The demo policy's own template: ChatML like Qwen2.5, but the tool list is one line per
+# tool, "- name(arg, arg)", instead of full JSON schemas (~100 tokens instead of ~2,300 for
+# the bundled servers), which a model this small cannot read anyway and which would make
+# every training sequence twenty times longer. Tool calls and results are Qwen2.5's.
+DEMO_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools' }}
+    {%- for tool in tools %}
+        {%- set fn = tool.function if tool.function is defined else tool %}
+        {%- set props = fn.parameters.properties if fn.parameters is defined and fn.parameters.properties is defined else {} %}
+        {{- '\n- ' + fn.name + '(' + (props | list | join(', ')) + ')' }}
+    {%- endfor %}
+    {{- '\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n' }}
+""" + CHAT_TEMPLATE[CHAT_TEMPLATE.index("{%- elif messages and messages[0].role == 'system' %}"):]
 
 _TOPICS = (
     "weather in Paris", "time in Tokyo", "my calendar tomorrow", "the meeting notes", "a short poem",
@@ -197,8 +224,11 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 1024):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with the ChatML specials and chat template."""
+def build_tokenizer(vocab_size: int = 1024, corpus: Iterable[str] | None = None, template: str = CHAT_TEMPLATE):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with the ChatML specials and chat template.
+
+    ``corpus``: the text to learn merges from (default: a small built-in sample of chat text).
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
     from transformers import PreTrainedTokenizerFast
@@ -220,13 +250,13 @@ def build_tokenizer(vocab_size: int = 1024):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.train_from_iterator(_corpus() if corpus is None else corpus, trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
         model_max_length=32768,
     )
 
@@ -240,24 +270,28 @@ def build_tiny_model(
     vocab_size: int = 1024,
     seed: int = 0,
 ) -> Path:
-    """Build the demo policy into ``out_dir`` (created) and return it.
+    """An untrained model of this shape in ``out_dir`` (created); returns it.
 
+    Random weights: it generates noise, but real noise, with real token ids and
+    log-probs, which is what tests of the serving and learning paths need.
     ``vocab_size`` is the BPE target; the model's vocabulary is the tokenizer's
-    actual size. Same arguments and torch version, same weights. Takes a second
-    or two on a CPU.
+    actual size. Same arguments and torch version, same weights.
     """
+    tokenizer = build_tokenizer(vocab_size)
+    model = _init_model(tokenizer, hidden_size, num_layers, num_heads, seed)
+    return _save(model, tokenizer, Path(out_dir))
+
+
+def _init_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, seed: int):
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=hidden_size * 3,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=max(1, num_heads // 2),
@@ -271,12 +305,177 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
+    return model
+
+
+def _save(model, tokenizer, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
-def ensure_demo_model(out_dir: Path) -> Path:
+# ----------------------------------------------------------------------------- the trained demo policy
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    steps: int
+    batch_size: int
+    learning_rate: float
+    copy_steps: int = 0  # warm-up on copying spans (see _copy_batches) before the conversations
+
+
+SIZES = {
+    # 2.1M parameters; about 5 minutes on 2 CPU cores: copying warm-up, then the conversations
+    "demo": DemoSize(hidden_size=192, num_layers=4, num_heads=6, vocab_size=2048, steps=600, batch_size=8,
+                     learning_rate=3e-3, copy_steps=250),
+    # seconds: for tests of the build and serving paths, not for its behaviour
+    "tiny": DemoSize(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024, steps=6, batch_size=4,
+                     learning_rate=3e-3, copy_steps=2),
+}
+Progress = Callable[[str, int, int, dict], None]
+"""``progress(stage, done, total, info)``: stage is "data" or "train"; info has the loss when training."""
+
+
+def build_demo_model(out_dir: Path, *, size: str = "demo", seed: int = 0, steps: int | None = None,
+                     progress: Progress | None = None) -> Path:
+    """Train the demo policy from scratch into ``out_dir``; returns it.
+
+    A BPE tokenizer is learned from the training conversations (``whet.learner.demo_data``),
+    a Qwen2-shaped model is initialised from ``seed`` and trained with supervised
+    fine-tuning on the assistant's parts of those conversations (tool calls and answers),
+    rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as the server renders prompts.
+    """
+    import torch
+
+    from whet.learner.demo_data import examples
+    from whet.learner.prompt import prompt_text
+
+    spec = SIZES[size]
+    steps = spec.steps if steps is None else steps
+    report = progress or (lambda *_: None)
+    n = steps * spec.batch_size
+    texts = []
+    renderer = build_tokenizer(512, template=DEMO_CHAT_TEMPLATE)  # only its template renders; merges come next
+    for i, example in enumerate(examples(n, seed)):
+        texts.append(prompt_text(renderer, example.messages, example.tools, add_generation_prompt=False))
+        if i % 64 == 0:
+            report("data", i, n, {})
+    report("data", n, n, {})
+    tokenizer = build_tokenizer(spec.vocab_size, texts[:4000], DEMO_CHAT_TEMPLATE)
+    rows = [_tokenize(tokenizer, t) for t in texts]
+    batches = _copy_batches(rows, spec.copy_steps, seed) + _batches(rows, spec.batch_size, seed)
+    steps = len(batches)
+    model = _init_model(tokenizer, spec.hidden_size, spec.num_layers, spec.num_heads, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _lr_factor(i, warmup, steps))
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step, batch in enumerate(batches):
+            ids, labels, mask = _pad(batch, pad_id)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            report("train", step + 1, len(batches), {"loss": loss.item()})
+    model.eval()
+    return _save(model, tokenizer, Path(out_dir))
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    import math
+
+    if step < warmup:
+        return (step + 1) / warmup
+    done = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+
+
+def _tokenize(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(ids, labels): labels are the ids inside assistant replies (``<|im_end|>`` included), else -100."""
+    encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    spans, opener, at = [], "<|im_start|>assistant\n", 0
+    while (start := text.find(opener, at)) >= 0:
+        begin = start + len(opener)
+        end = text.index("<|im_end|>", begin) + len("<|im_end|>")
+        spans.append((begin, end))
+        at = end
+    ids, labels = encoded["input_ids"], []
+    for token, (lo, hi) in zip(ids, encoded["offset_mapping"], strict=True):
+        inside = any(b <= lo and hi <= e for b, e in spans)
+        labels.append(token if inside else -100)
+    return ids, labels
+
+
+def _batches(rows: list[tuple[list[int], list[int]]], batch_size: int, seed: int) -> list[list]:
+    """Batches of similar length (less padding), in a seeded random order."""
+    import random
+
+    rng = random.Random(seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    chunk = batch_size * 16
+    batches = []
+    for i in range(0, len(order), chunk):
+        group = sorted(order[i:i + chunk], key=lambda j: len(rows[j][0]))
+        batches += [[rows[j] for j in group[k:k + batch_size]] for k in range(0, len(group), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _copy_batches(rows: list[tuple[list[int], list[int]]], steps: int, seed: int, batch_size: int = 32) -> list:
+    """Warm-up batches that teach copying: a random span of a conversation, then the same span again
+    (the loss is on the repeat). A model this small learns to copy values (a city, a number, a list
+    name) from the request, a lesson or a tool result far sooner with this than from conversations
+    alone, where such tokens are a few in a hundred."""
+    import random
+
+    rng = random.Random(f"copy:{seed}")
+    batches = []
+    for _ in range(steps):
+        batch = []
+        for _ in range(batch_size):
+            ids = rng.choice(rows)[0]
+            width = rng.randint(4, 24)
+            start = rng.randrange(max(1, len(ids) - width))
+            span = ids[start:start + width]
+            filler = rng.choice(rows)[0][: rng.randint(0, 16)]  # something between the two, as in a prompt
+            batch.append((span + filler + span, [-100] * (len(span) + len(filler)) + span))
+        batches.append(batch)
+    return batches
+
+
+def _pad(batch, pad_id: int):
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (tokens, targets) in enumerate(batch):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, : len(targets)] = torch.tensor(targets)
+        mask[row, : len(tokens)] = 1
+    return ids, labels, mask
+
+
+def demo_model_dir(data_dir: Path, size: str = "demo") -> Path:
+    """Where ``model.id: demo`` lives in a data directory."""
+    return Path(data_dir).expanduser() / ("demo-model" if size == "demo" else f"demo-model-{size}")
+
+
+def ensure_demo_model(out_dir: Path, *, size: str = "demo", steps: int | None = None, seed: int = 0,
+                      progress: Progress | None = None) -> Path:
     """``out_dir`` holding the demo model, built there on first use; returns it.
 
     Built into a sibling temp folder and renamed into place, so a crash or a
@@ -293,7 +492,7 @@ def ensure_demo_model(out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(staging)
+    build_demo_model(staging, size=size, steps=steps, seed=seed, progress=progress)
     try:
         staging.rename(out_dir)
     except OSError:  # someone else finished first (or an unrelated folder is in the way)

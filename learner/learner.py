@@ -152,6 +152,23 @@ class Learner:
                 log.warning("judging failed; the catch-up will retry", turn=turn_id, error=repr(exc))
             self._wake.set()
 
+    async def status(self) -> dict[str, Any]:
+        """What the learner has done, and whether it still has work in hand (``busy``).
+
+        Busy while a closed turn waits for its verdict, a verdict is being turned into credit
+        and lessons, a trainable sample waits for its step (a partial batch counts: it trains
+        ``batch_timeout_s`` after its first sample), or a step is running. Read from the store,
+        so a turn closed a moment ago counts before its bus event arrives: a client that sees
+        ``busy`` false after its last request knows everything it sent has been learned from."""
+        waiting = bool(await self.store.unjudged_turns(limit=1))
+        if self._make_trainer is not None:
+            waiting = waiting or bool(await self.store.samples(split="train", untrained=True, limit=1))
+        # the locks are read after the store: work that drained the queue while we read is still in hand
+        busy = waiting or self._judging.locked() or self._training.locked()
+        p = self.progress
+        return {"judged": p.judged, "lessons": p.lessons, "steps": p.steps, "promoted": len(p.promoted),
+                "rejected": len(p.rejected), "rolled_back": len(p.rolled_back), "busy": busy}  # fmt: skip
+
     async def catch_up(self) -> int:
         """Judge every closed turn that has no verdict yet; returns how many were judged."""
         done = 0
@@ -438,7 +455,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
                                     rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
 
         def trainer() -> LoraTrainer:
-            source = resolve_source(config.model.id, config.data_path)
+            source = resolve_source(config.model.id, config.data_path, config.model.demo_size)
             return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
 
     return Learner(

@@ -8,7 +8,8 @@ lessons to new requests by similarity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from whet.learner.judge import Verdict
 from whet.learner.prompt import canonical_arguments, last_user_text
@@ -24,15 +25,27 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     """
     if not request:
         return None
-    asked = last_user_text(request[0].prompt_messages).strip()
-    where = f'When asked "{_clip(asked, 120)}": ' if asked else ""
+    asked = last_user_text(request[0].prompt_messages)
     if verdict.hint:
-        return _clip(where + verdict.hint, MAX_CHARS), "hint"
+        return lesson_text(asked, hint=verdict.hint), "hint"
     calls = [call["function"] for turn in request for call in turn.tool_calls]
     if verdict.score > 0 and calls:
-        used = ", ".join(f"{c['name']}({canonical_arguments(c.get('arguments', '{}'))})" for c in calls)
-        return _clip(f"{where}calling {used} was right.", MAX_CHARS), "success"
+        return lesson_text(asked, calls=calls), "success"
     return None
+
+
+def lesson_text(asked: str, *, hint: str | None = None, calls: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The lesson's words: the request it came from, then the hint, or the calls that were right.
+
+    ``calls``: OpenAI function dicts (``name``, ``arguments``). The demo policy is trained on
+    lessons written by this function, so that it can read them.
+    """
+    asked = asked.strip()
+    where = f'When asked "{_clip(asked, 120)}": ' if asked else ""
+    if hint:
+        return _clip(where + hint, MAX_CHARS)
+    used = ", ".join(f"{c['name']}({canonical_arguments(c.get('arguments', '{}'))})" for c in calls)
+    return _clip(f"{where}calling {used} was right.", MAX_CHARS)
 
 
 def _clip(text: str, limit: int) -> str:

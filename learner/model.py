@@ -20,12 +20,12 @@ class ModelLoadError(Exception):
     """The model cannot be loaded; the message says what to pass instead."""
 
 
-def resolve_source(model_id: str, data_dir: Path) -> str:
+def resolve_source(model_id: str, data_dir: Path, demo_size: str = "demo") -> str:
     """``model_id`` as something ``from_pretrained`` accepts (``demo`` is built on first use)."""
     if model_id == "demo":
-        from whet.learner.demo_model import ensure_demo_model
+        from whet.learner.demo_model import demo_model_dir, ensure_demo_model
 
-        return str(ensure_demo_model(Path(data_dir).expanduser() / "demo-model"))
+        return str(ensure_demo_model(demo_model_dir(data_dir, demo_size), size=demo_size))
     return model_id
 
 

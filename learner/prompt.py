@@ -19,6 +19,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import mcp_types as types
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 IM_START = "<|im_start|>"
@@ -153,6 +155,14 @@ def _render_assistant_calls(message: dict[str, Any]) -> str:
     return out + f"{IM_END}\n"
 
 
+LESSONS_HEADER = "\n\nLessons from earlier conversations with this user:\n"
+
+
+def with_lessons(system: str, lessons: Sequence[str]) -> str:
+    """The system prompt with retrieved lessons added, one per line (as the agent sends them)."""
+    return system + LESSONS_HEADER + "\n".join(f"- {t}" for t in lessons) if lessons else system
+
+
 HINT_TEMPLATE = "\n\n[hint] {hint}"  # how a hint joins the user's message in the teacher's context
 
 
@@ -190,3 +200,34 @@ def hinted_prompt_ids(
     if not tail or list(prompt_ids[-len(tail):]) != tail:
         return None
     return list(prompt_ids[: len(prompt_ids) - len(tail)]) + tokenizer.encode(taught[len(head):], add_special_tokens=False)
+
+
+def render_tool_result(result: types.CallToolResult, limit: int = 16_000) -> str:
+    """A tool result as the model reads it: text blocks joined (structured content as JSON when there is no text), cut to ``limit`` chars."""
+    texts, others = [], []
+    for block in result.content:
+        if isinstance(block, types.TextContent):
+            texts.append(block.text)
+        elif isinstance(block, types.EmbeddedResource) and hasattr(block.resource, "text"):
+            texts.append(block.resource.text)
+        elif isinstance(block, types.ImageContent | types.AudioContent):
+            others.append(f"[{block.type} {block.mime_type} omitted]")
+        elif isinstance(block, types.ResourceLink):
+            others.append(f"[resource {block.uri}]")
+        elif isinstance(block, types.EmbeddedResource):
+            others.append(f"[binary resource {block.resource.uri} omitted]")
+    if not texts and result.structured_content is not None:
+        texts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    text = "\n".join(texts + others)
+    if len(text) > limit:
+        text = f"{text[:limit]}\n[truncated {len(text) - limit} chars]"
+    return text
+
+
+def openai_tool_spec(name: str, description: str, input_schema: dict[str, Any]) -> dict[str, Any]:
+    """An MCP tool as an OpenAI function spec (what chat templates render)."""
+    parameters = dict(input_schema)
+    parameters.setdefault("type", "object")
+    if parameters["type"] == "object":
+        parameters.setdefault("properties", {})
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}

@@ -26,7 +26,7 @@ import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
-from whet.learner.prompt import canonical_arguments, last_user_text
+from whet.learner.prompt import canonical_arguments, last_user_text, with_lessons
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
 from whet.memory.tables import Turn, TurnCreate, new_turn_id
@@ -157,9 +157,7 @@ class Agent:
         system = self.config.system_prompt
         if messages and messages[0]["role"] == "system":
             system = messages.pop(0)["content"] or ""
-        if lessons:
-            system += "\n\nLessons from earlier conversations with this user:\n" + "\n".join(f"- {t}" for t in lessons)
-        return [{"role": "system", "content": system}, *messages]
+        return [{"role": "system", "content": with_lessons(system, lessons)}, *messages]
 
     async def _lessons(self, user_id: str, query: str) -> list[str]:
         if self.config.lessons_k == 0 or not query or len(self.index) == 0:

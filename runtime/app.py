@@ -196,6 +196,7 @@ def _install_routes(app: FastAPI) -> None:
             "adapter": res.adapters.live_version(),
             "servers": res.tools.status(),
             "uptime_s": round(time.time() - res.started_at, 1),
+            "learner": await res.learner.status() if res.learner else None,
         }
 
     @app.get("/metrics")

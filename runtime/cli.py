@@ -1,4 +1,4 @@
-"""The ``whet`` command line: serve, learn, adapters, tools, turns, chat.
+"""The ``whet`` command line: serve, learn, adapters, tools, turns, chat, bench.
 
 Config problems end with one line naming the key and the fix, exit code 2.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,59 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", help="bearer API key, when the server has keys configured")
     chat.add_argument("--model", help="model name (default: the server's first model)")
     chat.set_defaults(run=_chat)
+
+    demo = sub.add_parser("demo-model", help="the demo policy: a tiny model trained here, offline")
+    demo_sub = demo.add_subparsers(dest="action", required=True)
+    build = demo_sub.add_parser("build", help="train the demo policy from scratch (tokenizer, model, SFT)")
+    _config_arg(build)
+    build.add_argument("--out", type=Path, help="model folder (default: <data_dir>/demo-model, what model.id demo serves)")
+    build.add_argument("--size", choices=("demo", "tiny"), default="demo",
+                       help="demo: the policy (~5 min on 2 cores); tiny: seconds, for tests")  # fmt: skip
+    build.add_argument("--steps", type=_positive, help="training steps (default: the size's own)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
+    build.set_defaults(run=_demo_model)
+
+    bench = sub.add_parser("bench", help="measure whet")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    learning = bench_sub.add_parser("learn", help="held-out success while a simulated user teaches a live server, "
+                                    "for static / memory / lora / memory_lora from the same start")  # fmt: skip
+    _config_arg(learning)
+    learning.add_argument("--profile", type=Path, help="simulated user profile (default: the shipped one)")
+    learning.add_argument("--seed", type=int, default=0)
+    learning.add_argument("--interactions", type=_positive, help="interactions per arm (default 32)")
+    learning.add_argument("--every", type=_positive, help="measure held-out success every K interactions (default 8)")
+    learning.add_argument("--heldout", type=_positive, help="held-out personal tasks per measurement (default 24)")
+    learning.add_argument("--general", type=_positive, help="general tasks, before and after (default 16)")
+    learning.add_argument("--model", help="HF model id or local folder (default: the config's model.id)")
+    learning.add_argument("--arms", type=_arms, default="static,memory,lora,memory_lora",
+                          help="comma-separated subset of static,memory,lora,memory_lora")  # fmt: skip
+    learning.add_argument("--json", dest="json_path", type=Path, default=Path("bench-learn.json"), help="results file")
+    learning.add_argument("--plot", type=Path, default=Path("bench-learn.png"), help="learning curves (PNG)")
+    learning.add_argument("--quick", action="store_true", help="CI scale: 4 interactions, every 2, 3 held-out, 3 general")
+    learning.set_defaults(run=_bench_learn)
     return parser
 
 
 def _config_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a YAML file overriding config/whet.yaml")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _arms(text: str) -> tuple[str, ...]:
+    from whet.runtime.bench_learn import ARMS
+
+    arms = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise argparse.ArgumentTypeError(f"unknown arm {', '.join(unknown) or '(none)'}; use some of {','.join(ARMS)}")
+    return arms
 
 
 def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> WhetConfig:
@@ -138,9 +187,61 @@ def _load_backend(config: WhetConfig):
 
     from whet.runtime.policy import create_backend
 
-    what = "building the demo model (first start only) and loading it" if config.model.id == "demo" else "loading"
-    with Console(stderr=True).status(f"{what} {config.model.id} ({config.model.backend})"):
+    if config.model.id == "demo" and config.model.backend != "openai":
+        from whet.learner.demo_model import demo_model_dir
+
+        ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+    with Console(stderr=True).status(f"loading {config.model.id} ({config.model.backend})"):
         return create_backend(config.model, config.data_path)
+
+
+def ensure_demo(out_dir: Path, size: str = "demo", *, steps: int | None = None, seed: int = 0,
+                force: bool = False) -> Path:
+    """The demo policy in ``out_dir``, trained there first (with a progress bar) if it is not built yet."""
+    import shutil
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from whet.learner.demo_model import ensure_demo_model
+
+    if force:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    console = Console(stderr=True)
+    console.print(f"building the demo policy into {out_dir} (first start only; no download)")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}"))  # fmt: skip
+    with Progress(*columns, console=console) as progress:
+        bars: dict[str, Any] = {}
+
+        def report(stage: str, done: int, total: int, info: dict) -> None:
+            if stage not in bars:
+                label = "writing conversations" if stage == "data" else "training"
+                bars[stage] = progress.add_task(label, total=total, info="")
+            text = f"loss {info['loss']:.3f}" if "loss" in info else ""
+            progress.update(bars[stage], completed=done, info=text)
+
+        return ensure_demo_model(out_dir, size=size, steps=steps, seed=seed, progress=report)
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from whet.learner.demo_model import demo_model_dir
+
+    config = _load(args)
+    out = args.out.expanduser() if args.out else demo_model_dir(config.data_path, args.size)
+    if (out / "config.json").is_file() and not args.force:
+        print(f"whet: {out} already holds a model; pass --force to rebuild it", file=sys.stderr)
+        return 1
+    if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
+        print(f"whet: {out} exists and is not a model folder; choose another --out", file=sys.stderr)
+        return 1
+    started = time.perf_counter()
+    ensure_demo(out, args.size, steps=args.steps, seed=args.seed, force=args.force)
+    print(f"built {out} in {time.perf_counter() - started:.0f}s; serve it with `whet serve --model {out}`"
+          + ("" if args.out else " or model.id: demo"))
+    return 0
 
 
 def _learn(args: argparse.Namespace) -> int:
@@ -222,6 +323,17 @@ def _print_turn(turn: Any) -> None:
     text = turn.response_text.replace("\n", " ")[:100]
     stamp = turn.created_at.strftime("%Y-%m-%d %H:%M:%S")
     print(f"{stamp}  {turn.id}  {turn.user_id}  v={turn.policy_version or 'base'}  tools={calls}  [{state}]  {text}")
+
+
+def _bench_learn(args: argparse.Namespace) -> int:
+    from whet.runtime.bench_learn import BenchError, Plan, run_bench
+
+    config = _load(args)
+    try:
+        return run_bench(config, Plan.from_args(args, config))
+    except BenchError as exc:
+        print(f"whet: {exc}", file=sys.stderr)
+        return 1
 
 
 def _chat(args: argparse.Namespace) -> int:

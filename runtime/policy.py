@@ -142,7 +142,7 @@ def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
         from whet.runtime.hf import TransformersBackend
 
         return TransformersBackend(
-            resolve_source(model.id, data_dir),
+            resolve_source(model.id, data_dir, model.demo_size),
             device=model.device,
             dtype=model.dtype,
             workers=model.workers,

@@ -22,7 +22,7 @@ import structlog
 
 from whet.config.mcp import load_mcp_servers
 from whet.config.settings import WhetConfig
-from whet.learner.learner import open_learner
+from whet.learner.learner import Learner, open_learner
 from whet.memory.bus import Bus, open_bus
 from whet.memory.experience import Experience
 from whet.memory.index import Embedder, LessonIndex, open_embedder
@@ -50,6 +50,7 @@ class Resources:
     agent: Agent
     metrics: Metrics
     follower: Follower
+    learner: Learner | None = None  # None: no learner in this process (disabled, or `whet learn` elsewhere)
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -119,6 +120,7 @@ async def open_resources(
         follower = await stack.enter_async_context(
             Follower(store, bus, adapters, index, config.learner.poll_s, lesson_cursor=cursor)
         )
+        learner: Learner | None = None
         if config.learner.enabled:  # the default deployment: the learner alongside, in the background
             learner = open_learner(config, store, bus, chat=BackendChat(backend))
             await stack.enter_async_context(_background("whet-learner", learner.run))
@@ -131,5 +133,5 @@ async def open_resources(
         )
         yield Resources(
             config=config, store=store, bus=bus, experience=experience, index=index, backend=backend,
-            tools=tools, adapters=adapters, agent=agent, metrics=metrics, follower=follower,
+            tools=tools, adapters=adapters, agent=agent, metrics=metrics, follower=follower, learner=learner,
         )

@@ -43,6 +43,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from whet.config.mcp import HttpTransport, McpServerSpec, StdioTransport
+from whet.learner.prompt import openai_tool_spec, render_tool_result
 
 log = structlog.get_logger(__name__)
 
@@ -201,7 +202,7 @@ class ToolPool:
         result = await self._send(link, client, generation, info, parsed, timeout)
         if isinstance(result, ToolResult):
             return result
-        return ToolResult(_render(result, self.max_result_chars), bool(result.is_error), link.name)
+        return ToolResult(render_tool_result(result, self.max_result_chars), bool(result.is_error), link.name)
 
     async def _send(
         self,
@@ -516,12 +517,7 @@ def _tool_info(name: str, server: str, tool: types.Tool) -> ToolInfo:
 
 
 def _openai_tool(info: ToolInfo) -> dict[str, Any]:
-    parameters = dict(info.input_schema)
-    parameters.setdefault("type", "object")
-    if parameters["type"] == "object":
-        parameters.setdefault("properties", {})
-    function = {"name": info.name, "description": info.description, "parameters": parameters}
-    return {"type": "function", "function": function}
+    return openai_tool_spec(info.name, info.description, info.input_schema)
 
 
 def _arguments(arguments: Any) -> dict[str, Any] | str:
@@ -536,28 +532,6 @@ def _arguments(arguments: Any) -> dict[str, Any] | str:
     if isinstance(arguments, Mapping):
         return dict(arguments)
     return f"must be a JSON object, got {type(arguments).__name__}"
-
-
-def _render(result: types.CallToolResult, limit: int) -> str:
-    """Text blocks joined (structured content as JSON when there is no text), cut to ``limit`` chars."""
-    texts, others = [], []
-    for block in result.content:
-        if isinstance(block, types.TextContent):
-            texts.append(block.text)
-        elif isinstance(block, types.EmbeddedResource) and hasattr(block.resource, "text"):
-            texts.append(block.resource.text)
-        elif isinstance(block, types.ImageContent | types.AudioContent):
-            others.append(f"[{block.type} {block.mime_type} omitted]")
-        elif isinstance(block, types.ResourceLink):
-            others.append(f"[resource {block.uri}]")
-        elif isinstance(block, types.EmbeddedResource):
-            others.append(f"[binary resource {block.resource.uri} omitted]")
-    if not texts and result.structured_content is not None:
-        texts.append(json.dumps(result.structured_content, ensure_ascii=False))
-    text = "\n".join(texts + others)
-    if len(text) > limit:
-        text = f"{text[:limit]}\n[truncated {len(text) - limit} chars]"
-    return text
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,41 @@
+"""A simulated user with hidden preferences, replying as a person would.
+
+It sees only the assistant's answers (the text the API returned), never tool
+calls or internals. Served right, it thanks or moves on; served wrong, it
+corrects in a natural sentence that carries what it wanted ("No, I meant
+Lisbon time."), or now and then simply asks again. Its choices come from its
+own seeded generator, so the same seed and the same answers give the same
+conversation.
+"""
+
+from __future__ import annotations
+
+import random
+
+from whet.learner.world import Profile, Task
+
+THANKS = ("Thanks!", "Great, thanks.", "Perfect, thank you.", "Thank you!", "That's right, thanks.")
+MOVING_ON = ("Ok.", "Got it.", "Good to know.", "Alright.")
+REASK = ("{text} Please answer the question.", "I asked: {text}", "{text}")
+GENERAL_CORRECTION = ("That's wrong.", "No, that's not right.", "That's not what I asked.")
+
+
+class SimulatedUser:
+    def __init__(self, profile: Profile, seed: int = 0) -> None:
+        self.profile = profile
+        self.rng = random.Random(f"{seed}:user:{profile.name}")
+
+    def satisfied(self, task: Task, answer: str) -> bool:
+        """Whether the answer, as the user reads it, does what they asked."""
+        return task.answer_ok(answer) and task.mentions_preference(answer)
+
+    def reply(self, task: Task, answer: str) -> str:
+        """The user's next message after ``answer`` to ``task``."""
+        roll = self.rng.random()
+        if self.satisfied(task, answer):
+            return self.rng.choice(THANKS if roll < self.profile.thanks_rate else MOVING_ON)
+        if roll < self.profile.requery_rate:
+            return self.rng.choice(REASK).format(text=task.text)
+        if task.correction:
+            return task.correction
+        return self.rng.choice(GENERAL_CORRECTION)

@@ -1,0 +1,508 @@
+"""``whet bench learn``: does whet get better by being used, and does it forget what it knew?
+
+A simulated user (``whet.learner.simuser``) with one profile of preferences drives a
+live ``whet serve`` through its public HTTP API for N interactions: ask, read the
+answer, reply (thanks, a correction or a re-ask), so the real judge, learner, gate and
+hot-swaps do the learning. After every k interactions, held-out tasks (phrasings and
+values the user never asked) are answered at temperature 0 in fresh sessions that
+nothing replies to, so evaluation is never learned from, and the tool calls the agent
+made are checked against the profile. General tasks that need no preference are
+checked before and after, to show learning cost no general skill.
+
+Four arms start from the same base model and differ only in what the learner may
+change: ``static`` (no learner), ``memory`` (lessons only), ``lora`` (weights only) and
+``memory_lora`` (both). Each arm gets its own server process and data directory, one
+after the other, so no arm sees another's experience.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from statistics import fmean
+from typing import Any, Protocol
+
+import httpx
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from whet.config.settings import ConfigError, WhetConfig
+
+# what each arm lets the learner change: (learner runs, weights train, lessons kept)
+ARM_LEARNING = {
+    "static": (False, False, False),
+    "memory": (True, False, True),
+    "lora": (True, True, False),
+    "memory_lora": (True, True, True),
+}
+ARMS = tuple(ARM_LEARNING)
+# The learner as the bench runs it: small batches, leftovers flushed a second later, a
+# store catch-up twice a second. Every other learner setting comes from the base config.
+LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 8, "batch_timeout_s": 1, "poll_s": 0.5}
+# A few dozen interactions give about a dozen optimizer steps: the LoRA learning rate is raised
+# from the default (tuned for billion-parameter models) to one that moves the demo policy.
+LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 1e-3}
+DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16}
+QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3}  # CI scale
+THRESHOLD = 0.9
+START_TIMEOUT_S = 300.0  # model load and MCP servers starting
+IDLE_TIMEOUT_S = 900.0  # the learner finishing what an interaction block gave it
+REQUEST_TIMEOUT_S = 600.0  # one chat request, every agent step included
+POLL_S = 0.1
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class BenchError(Exception):
+    """The bench cannot go on; the message says why (and, for a server, ends with its log tail)."""
+
+
+class ArmClient(Protocol):
+    """What the bench needs from one arm's server (HTTP in the bench, a fake in tests)."""
+
+    def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+        """The final answer to ``messages`` in ``session``."""
+        ...
+
+    def tool_calls(self, session: str) -> list[Any]:
+        """Every tool call the agent made in ``session``, oldest first, as ``ToolUse``."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """The server's ``/health`` body."""
+        ...
+
+
+class Task(Protocol):
+    text: str
+
+    def check(self, calls: list[Any], answer: str) -> bool: ...
+
+
+class User(Protocol):
+    def reply(self, task: Any, answer: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One bench run, every choice resolved (``--quick`` and defaults applied)."""
+
+    profile: Path | None
+    seed: int
+    interactions: int
+    every: int
+    heldout: int
+    general: int
+    arms: tuple[str, ...]
+    model: str
+    json_path: Path
+    plot_path: Path
+    config_path: Path | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, config: WhetConfig) -> Plan:
+        """Flags given win, then ``--quick``'s scale, then the full-scale defaults."""
+        scale = {**DEFAULTS, **(QUICK if args.quick else {})}
+        scale.update({key: getattr(args, key) for key in scale if getattr(args, key) is not None})
+        return cls(
+            profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
+            json_path=args.json_path, plot_path=args.plot, config_path=args.config, **scale,
+        )  # fmt: skip
+
+    def checkpoints(self) -> list[int]:
+        """Where held-out success is measured: 0, k, 2k, ... and always N."""
+        return sorted({*range(0, self.interactions, self.every), self.interactions})
+
+    def command(self) -> str:
+        """The command line that reproduces this run."""
+        argv = ["whet", "bench", "learn"]
+        if self.config_path is not None:
+            argv += ["--config", str(self.config_path)]
+        if self.profile is not None:
+            argv += ["--profile", str(self.profile)]
+        argv += ["--seed", str(self.seed), "--interactions", str(self.interactions), "--every", str(self.every),
+                 "--heldout", str(self.heldout), "--general", str(self.general), "--model", self.model,
+                 "--arms", ",".join(self.arms)]  # fmt: skip
+        return shlex.join(argv)
+
+    def units_per_arm(self) -> int:
+        """Progress units of one arm: each interaction and each evaluated task."""
+        return self.interactions + self.heldout * len(self.checkpoints()) + 2 * self.general
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """The same tasks for every arm."""
+
+    training: list[Any]
+    heldout: list[Any]
+    general: list[Any]
+
+
+@dataclass
+class ArmResult:
+    name: str
+    curve: list[dict[str, float]] = field(default_factory=list)
+    general_before: float = 0.0
+    general_after: float = 0.0
+    adapters_promoted: int = 0
+    lessons: int = 0
+    adapter: str | None = None  # the version serving at the end (None = base weights)
+    wall_s: float = 0.0
+
+    @property
+    def final_success(self) -> float:
+        return self.curve[-1]["success"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "curve": self.curve,
+            "final_success": self.final_success,
+            "interactions_to_0_9": interactions_to(self.curve, THRESHOLD),
+            "general_before": self.general_before,
+            "general_after": self.general_after,
+            "adapters_promoted": self.adapters_promoted,
+            "lessons": self.lessons,
+            "adapter": self.adapter,
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+def interactions_to(curve: Sequence[dict[str, float]], threshold: float) -> int | None:
+    """The first measured interaction count whose success reaches ``threshold``; None if none does."""
+    return next((int(p["interactions"]) for p in curve if p["success"] >= threshold), None)
+
+
+# -- one arm ------------------------------------------------------------------
+
+
+def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, *,
+            settle_s: float, advance: Callable[[int], None]) -> ArmResult:  # fmt: skip
+    """Drive one arm's server: measure, then interact and measure at every checkpoint.
+
+    ``settle_s``: how long to wait after the learner is idle, for the server to take in what
+    it published (lessons into the index, adapters loaded). ``advance(n)``: progress."""
+    started = time.perf_counter()
+    result = ArmResult(name)
+    checkpoints = set(plan.checkpoints())
+    wait_idle(client, settle_s)
+    result.general_before = success_rate(client, tasks.general, advance)
+    result.curve.append({"interactions": 0, "success": success_rate(client, tasks.heldout, advance)})
+    for i, task in enumerate(tasks.training[: plan.interactions], start=1):
+        interact(client, task, user, seed=plan.seed * 1_000_000 + i)
+        advance(1)
+        if i in checkpoints:
+            wait_idle(client, settle_s)
+            result.curve.append({"interactions": i, "success": success_rate(client, tasks.heldout, advance)})
+    result.general_after = success_rate(client, tasks.general, advance)
+    health = client.health()
+    learner = health.get("learner") or {}
+    result.adapters_promoted = learner.get("promoted", 0)
+    result.lessons = learner.get("lessons", 0)
+    result.adapter = health.get("adapter")
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def interact(client: ArmClient, task: Task, user: User, *, seed: int) -> None:
+    """One interaction: the task, the answer, the user's reply (which closes the answer's turn)."""
+    session = f"train-{uuid.uuid4().hex[:12]}"
+    asked = [{"role": "user", "content": task.text}]
+    answer = client.chat(session, asked, seed=seed)
+    reply = user.reply(task, answer)
+    client.chat(session, [*asked, {"role": "assistant", "content": answer}, {"role": "user", "content": reply}],
+                seed=seed)  # fmt: skip
+
+
+def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> float:
+    """Share of ``tasks`` done right: each in a fresh session, greedy, and left open (never learned from)."""
+    done = 0
+    for task in tasks:
+        session = f"eval-{uuid.uuid4().hex[:12]}"
+        answer = client.chat(session, [{"role": "user", "content": task.text}], temperature=0)
+        done += bool(task.check(client.tool_calls(session), answer))
+        advance(1)
+    return done / len(tasks)
+
+
+def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Return once the learner has judged and trained everything sent so far (at once without one)."""
+    deadline = time.monotonic() + timeout_s
+    while (learner := client.health().get("learner")) and learner["busy"]:
+        if time.monotonic() > deadline:
+            counters = ", ".join(f"{k}={v}" for k, v in learner.items() if k != "busy")
+            raise BenchError(f"the learner was still busy after {timeout_s:.0f}s ({counters})")
+        time.sleep(POLL_S)  # another process: there is no event to wait on
+    if learner is not None:
+        time.sleep(settle_s)
+
+
+# -- one arm's server ---------------------------------------------------------
+
+
+class HttpArmClient:
+    """An arm's server over its OpenAI-compatible API, as ``user``."""
+
+    def __init__(self, http: httpx.Client, user: str) -> None:
+        self.http = http
+        self.user = user
+        self.model = _body(http.get("/v1/models"))["data"][0]["id"]
+
+    def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+        body = {"model": self.model, "messages": messages, "user": self.user, **params}
+        response = self.http.post("/v1/chat/completions", json=body, headers={"X-Whet-Session": session})
+        return _body(response)["choices"][0]["message"]["content"] or ""
+
+    def tool_calls(self, session: str) -> list[Any]:
+        from whet.learner.world import ToolUse
+
+        turns = _body(self.http.get("/v1/turns", params={"session": session, "limit": 500}))
+        calls = [call["function"] for turn in reversed(turns) for call in turn["tool_calls"]]
+        return [ToolUse(name=f["name"], arguments=_arguments(f.get("arguments"))) for f in calls]
+
+    def health(self) -> dict[str, Any]:
+        return _body(self.http.get("/health"))
+
+
+def _body(response: httpx.Response) -> Any:
+    if response.is_success:
+        return response.json()
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:300]
+    raise BenchError(f"{response.request.method} {response.request.url.path} failed ({response.status_code}): {message}")
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's arguments as a dict; what a weak model wrote that is not a JSON object counts as none."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int) -> dict[str, Any]:
+    """The config one arm's server runs with: the base config, a private SQLite store and
+    in-process bus in ``data_dir``, auth off (the bench names its user), and the arm's learner."""
+    enabled, train, lessons = ARM_LEARNING[arm]
+    data = base.model_dump(mode="json")
+    data["data_dir"] = str(data_dir)
+    data["server"].update(host="127.0.0.1", port=port, api_keys={})
+    data["model"]["id"] = model
+    data["store"]["url"] = None
+    data["bus"]["url"] = None
+    data["learner"].update(enabled=enabled, train=train, lessons=lessons, **LEARNER_OVERRIDES)
+    data["learner"]["lora"].update(LORA_OVERRIDES)
+    return data
+
+
+@contextlib.contextmanager
+def served(config: dict[str, Any], arm_dir: Path) -> Iterator[str]:
+    """``whet serve`` with ``config`` as a child process; yields its base URL once healthy.
+
+    Stopped (SIGINT, then kill) however the block ends; a failure inside the block, or the
+    server's own, ends as a BenchError carrying the tail of the server's log."""
+    port = config["server"]["port"]
+    config_path, log_path = arm_dir / "whet.yaml", arm_dir / "serve.log"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}  # the base config already has them
+    command = [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(config_path)]
+    base = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as server_log:
+        process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_healthy(base, process)
+            yield base
+        except (BenchError, httpx.HTTPError) as exc:
+            raise BenchError(_server_failure(str(exc) or type(exc).__name__, port, log_path)) from None
+        finally:
+            _stop(process)
+
+
+def _wait_healthy(base: str, process: subprocess.Popen[bytes], timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BenchError(f"whet serve exited with code {process.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(POLL_S)  # a starting process: there is no event to wait on
+    raise BenchError(f"whet serve was not ready after {timeout_s:.0f}s")
+
+
+def _server_failure(what: str, port: int, log_path: Path, lines: int = 12, width: int = 300) -> str:
+    text = ANSI.sub("", log_path.read_text(errors="replace"))  # the console log renderer colours even a file
+    tail = [line if len(line) <= width else line[:width] + " ..." for line in text.splitlines()[-lines:]]
+    if any("address already in use" in line.lower() for line in tail):
+        what = f"port {port} is busy (another process took it after the bench chose it; run again)"
+    return f"{what}; last lines of {log_path}:\n" + "\n".join(f"  {line}" for line in tail)
+
+
+def _stop(process: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown: the learner and MCP servers close
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the whole run ------------------------------------------------------------
+
+
+def run_bench(config: WhetConfig, plan: Plan) -> int:
+    """Run every arm of ``plan``, write the JSON and the plot, print the table. Raises BenchError."""
+    from whet.learner.simuser import SimulatedUser
+    from whet.learner.world import World, load_profile
+
+    try:
+        profile = load_profile(plan.profile)
+    except (ValueError, OSError) as exc:
+        raise ConfigError("--profile", str(exc), "pass a valid profile file, or leave --profile out for the default") from None
+    world = World(profile, plan.seed)
+    tasks = Tasks(world.training_tasks(plan.interactions), world.heldout_tasks(plan.heldout),
+                  world.general_tasks(plan.general))  # fmt: skip
+    console = Console(stderr=True)
+    with console.status(f"preparing the base model {plan.model} (building the demo policy takes minutes, once)"):
+        model = base_model(plan.model, config)
+    started = time.perf_counter()
+    results = []
+    scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept when an arm fails: its log is named there
+    with _progress(console) as progress:
+        for arm in plan.arms:
+            bar = progress.add_task(arm, total=plan.units_per_arm())
+            arm_dir = scratch / arm
+            arm_dir.mkdir()
+            settings = arm_config(config, arm, arm_dir / "data", model, free_port())
+            with served(settings, arm_dir) as base, httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
+                client = HttpArmClient(http, profile.user)
+                results.append(run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
+                                       settle_s=2 * LEARNER_OVERRIDES["poll_s"],
+                                       advance=lambda n, bar=bar: progress.advance(bar, n)))  # fmt: skip
+    shutil.rmtree(scratch, ignore_errors=True)
+    report = build_report(plan, profile.name, results, time.perf_counter() - started)
+    plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, plan.plot_path)
+    _print_table(report, plan)
+    return 0
+
+
+def base_model(model_id: str, config: WhetConfig) -> str:
+    """The model every arm serves, resolved once (``demo`` is built in the base config's data
+    dir on first use), as an absolute folder when it is local so no arm builds or guesses."""
+    from whet.learner.demo_model import demo_model_dir
+    from whet.learner.model import resolve_source
+    from whet.runtime.cli import ensure_demo
+
+    try:
+        if model_id == "demo":  # built here with a progress bar, not behind the first arm's start
+            ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+        source = resolve_source(model_id, config.data_path, config.model.demo_size)
+    except RuntimeError as exc:  # a demo-model folder in the way
+        raise BenchError(f"cannot prepare the model {model_id}: {exc}") from None
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
+
+
+def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s: float) -> dict[str, Any]:
+    """The JSON the bench writes. Top-level general skill is the arm that changes most
+    (``memory_lora`` when it ran); ``base_success`` is the shared start, averaged over arms."""
+    arms = {r.name: r.to_json() for r in results}
+    headline = next((r for r in results if r.name == "memory_lora"), results[-1])
+    return {
+        "profile": profile,
+        "seed": plan.seed,
+        "interactions": plan.interactions,
+        "every": plan.every,
+        "heldout": plan.heldout,
+        "general": plan.general,
+        "model": plan.model,
+        "base_success": fmean(r.curve[0]["success"] for r in results),
+        "general_before": headline.general_before,
+        "general_after": headline.general_after,
+        "command": plan.command(),
+        "machine": _machine(),
+        "wall_s": round(wall_s, 1),
+        "learner": {**LEARNER_OVERRIDES, "lora": LORA_OVERRIDES},
+        "arms": arms,
+    }
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": metadata.version("torch"),
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Held-out success against interactions, one line per arm, the 0.9 bar dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)  # Agg, without pyplot's global state
+    axes = figure.add_subplot()
+    for arm, result in report["arms"].items():
+        xs = [p["interactions"] for p in result["curve"]]
+        axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", label=arm)
+    axes.axhline(THRESHOLD, linestyle="--", color="grey", linewidth=1, label=f"{THRESHOLD:.0%}")
+    axes.set(xlabel="interactions", ylabel="held-out success", ylim=(-0.02, 1.02),
+             title=f"whet bench learn: profile {report['profile']}, seed {report['seed']}")  # fmt: skip
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.legend(loc="best")
+    axes.grid(alpha=0.3)
+    figure.savefig(path, dpi=120)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)  # fmt: skip
+
+
+def _print_table(report: dict[str, Any], plan: Plan) -> None:
+    table = Table(title=f"held-out success, profile {report['profile']}, seed {report['seed']}")
+    for column in ("arm", "base", "final", "interactions\nto 0.9", "general", "adapters\npromoted", "lessons"):
+        table.add_column(column, no_wrap=True)
+    for arm, r in report["arms"].items():
+        reached = r["interactions_to_0_9"]
+        table.add_row(arm, f"{r['curve'][0]['success']:.2f}", f"{r['final_success']:.2f}",
+                      "-" if reached is None else str(reached),
+                      f"{r['general_before']:.2f}→{r['general_after']:.2f}",
+                      str(r["adapters_promoted"]), str(r["lessons"]))  # fmt: skip
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {plan.json_path} and {plan.plot_path} ({report['wall_s']:.0f}s)")

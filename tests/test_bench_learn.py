@@ -1,0 +1,268 @@
+"""`whet bench learn`: the runner's bookkeeping on a fake server, the learner's idle signal on
+/health, and one quick end-to-end run against real `whet serve` processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import yaml
+
+from whet.config.settings import load_config
+from whet.learner.judge import RulesJudge
+from whet.learner.learner import Learner
+from whet.learner.registry import AdapterRegistry
+from whet.memory.bus import MemoryBus
+from whet.memory.store import open_store
+from whet.memory.tables import Adapter, Judgment, TurnCreate
+from whet.runtime.bench_learn import (
+    ARMS,
+    ArmResult,
+    BenchError,
+    Plan,
+    Tasks,
+    arm_config,
+    build_report,
+    free_port,
+    interactions_to,
+    plot,
+    run_arm,
+    served,
+)
+
+
+def make_plan(tmp_path: Path, **overrides: Any) -> Plan:
+    fields = {"profile": None, "seed": 3, "interactions": 6, "every": 4, "heldout": 2, "general": 2, "arms": ARMS,
+              "model": "demo", "json_path": tmp_path / "b.json", "plot_path": tmp_path / "b.png"}  # fmt: skip
+    return Plan(**{**fields, **overrides})
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+def test_interactions_to_0_9_is_the_first_checkpoint_reaching_it_or_none():
+    curve = [{"interactions": 0, "success": 0.2}, {"interactions": 4, "success": 0.9}, {"interactions": 8, "success": 1.0}]
+    assert interactions_to(curve, 0.9) == 4
+    assert interactions_to(curve[:1], 0.9) is None
+
+
+def test_checkpoints_fall_every_k_interactions_and_always_at_the_end(tmp_path):
+    assert make_plan(tmp_path, interactions=10, every=4).checkpoints() == [0, 4, 8, 10]
+    assert make_plan(tmp_path, interactions=8, every=4).checkpoints() == [0, 4, 8]
+
+
+class FakeTask:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def check(self, calls: list[Any], answer: str) -> bool:
+        return answer == "right"
+
+
+class FakeUser:
+    def reply(self, task: Any, answer: str) -> str:
+        return "Thanks!" if answer == "right" else "No, I meant Lisbon time."
+
+
+class FakeServer:
+    """An arm's server as the bench sees it: right once it has heard ``needed`` replies, and its
+    learner busy after each reply until /health has been asked once."""
+
+    def __init__(self, needed: int) -> None:
+        self.needed, self.replies, self.busy = needed, 0, False
+        self.sessions: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+
+    def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+        evaluating = params.get("temperature") == 0
+        assert not (evaluating and self.busy), "evaluated while the learner still had work"
+        self.sessions.setdefault(session, []).append((len(messages), params))
+        if len(messages) == 3:
+            self.replies += 1
+            self.busy = True
+        return "right" if self.replies >= self.needed else "wrong"
+
+    def tool_calls(self, session: str) -> list[Any]:
+        return []
+
+    def health(self) -> dict[str, Any]:
+        busy, self.busy = self.busy, False
+        learner = {"judged": self.replies, "lessons": self.replies, "steps": 1, "promoted": 1, "rejected": 0,
+                   "rolled_back": 0, "busy": busy}  # fmt: skip
+        return {"status": "ok", "adapter": "global-0001", "learner": learner}
+
+
+def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_replies_to_evaluations(tmp_path):
+    plan = make_plan(tmp_path)
+    tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0"), FakeTask("h1")], [FakeTask("g0"), FakeTask("g1")])
+    server, steps = FakeServer(needed=3), []
+    result = run_arm("memory", server, tasks, FakeUser(), plan, settle_s=0, advance=steps.append)
+    assert result.curve == [{"interactions": 0, "success": 0.0}, {"interactions": 4, "success": 1.0},
+                            {"interactions": 6, "success": 1.0}]  # fmt: skip
+    assert (result.general_before, result.general_after) == (0.0, 1.0)
+    assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 6, "global-0001")
+    assert sum(steps) == plan.units_per_arm() == 6 + 2 * 3 + 2 * 2
+    trained = [s for s in server.sessions.values() if len(s) == 2]
+    evaluated = [s for s in server.sessions.values() if len(s) == 1]
+    assert len(trained) == 6 and [n for n, _ in trained[0]] == [1, 3]
+    assert len(evaluated) == 2 * 3 + 2 * 2
+    assert all(n == 1 and params == {"temperature": 0} for (n, params), in evaluated)
+
+
+def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
+    plan = make_plan(tmp_path, arms=("static", "memory_lora"))
+    curve = [{"interactions": 0, "success": 0.5}, {"interactions": 4, "success": 0.75}, {"interactions": 6, "success": 1.0}]
+    results = [ArmResult("static", curve[:1] * 3, 0.5, 0.5), ArmResult("memory_lora", curve, 0.5, 0.5, 2, 5, "global-0002")]
+    report = build_report(plan, "default", results, wall_s=12.3)
+    assert {"profile", "seed", "interactions", "every", "base_success", "general_before", "general_after", "command",
+            "machine", "wall_s", "arms"} <= set(report)  # fmt: skip
+    assert report["base_success"] == 0.5 and report["profile"] == "default"
+    assert report["machine"]["cpu_count"] >= 1
+    assert report["command"].startswith("whet bench learn ") and "--arms static,memory_lora" in report["command"]
+    headline = report["arms"]["memory_lora"]
+    assert headline["interactions_to_0_9"] == 6 and headline["final_success"] == 1.0
+    assert report["arms"]["static"]["interactions_to_0_9"] is None
+    assert {"curve", "final_success", "interactions_to_0_9", "general_before", "general_after", "adapters_promoted",
+            "lessons"} <= set(headline)  # fmt: skip
+    json.dumps(report)
+    plot(report, plan.plot_path)
+    assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_each_arm_serves_the_shared_model_from_its_own_store_with_only_its_learning_switched_on(tmp_path, arm):
+    base = load_config(overrides={"store": {"url": "postgresql+psycopg://x@db/whet"}, "bus": {"url": "mqtt://b:1883"},
+                                  "server": {"api_keys": {"sk-1": "alice"}}, "learner": {"lora": {"rank": 4}}})  # fmt: skip
+    settings = arm_config(base, arm, tmp_path / arm, "/models/tiny", 4321)
+    path = tmp_path / "arm.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    config = load_config(path)  # what the arm's `whet serve` will read
+    assert config.data_path == tmp_path / arm and config.server.port == 4321 and not config.server.api_keys
+    assert config.store_url == f"sqlite:///{tmp_path / arm / 'whet.db'}" and config.bus.url is None
+    assert config.model.id == "/models/tiny" and config.learner.lora.rank == 4
+    learned = (config.learner.enabled, config.learner.enabled and config.learner.train,
+               config.learner.enabled and config.learner.lessons)  # fmt: skip
+    assert learned == {"static": (False, False, False), "memory": (True, False, True), "lora": (True, True, False),
+                       "memory_lora": (True, True, True)}[arm]  # fmt: skip
+    assert (config.learner.batch_size, config.learner.batch_timeout_s, config.learner.poll_s) == (8, 1, 0.5)
+
+
+# ----------------------------------------------------------------------------- the learner's idle signal
+
+
+@pytest.mark.anyio
+async def test_the_learner_is_busy_until_every_closed_turn_is_judged_and_every_trainable_one_trained(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path / 'whet.db'}")
+    bus = MemoryBus()
+    await bus.start()
+    settings = {"batch_size": 8, "batch_timeout_s": 3600, "gate": {"holdout_fraction": 0.0}}
+    config = load_config(overrides={"learner": settings}).learner
+    learner = Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path / "adapters"),
+                      trainer=lambda: pytest.fail("status() must not build a trainer"))  # fmt: skip
+    try:
+        assert (await learner.status())["busy"] is False
+        session = await store.create_session("alice")
+        turn = await store.add_turn(TurnCreate(
+            session_id=session.id, user_id="alice", request_id="req-1", step=0, model="tiny",
+            prompt_messages=[{"role": "user", "content": "What time is it at home?"}], response_text="It is 10:00.",
+            response_token_ids=[3, 4], response_logprobs=[-0.3, -0.2],
+        ))  # fmt: skip
+        assert (await learner.status())["busy"] is False, "an open turn is nothing to learn from yet"
+        await store.close_turn(turn.id, "user_message", {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})
+        assert (await learner.status())["busy"] is True
+        await learner.catch_up()
+        assert (await store.get_judgment(turn.id)).trainable
+        assert (await learner.status())["busy"] is True, "a judged sample waits for its training step"
+        await store.register_candidate(Adapter(id="global-0001", path=str(tmp_path)), [turn.id])
+        status = await learner.status()
+        assert status == {"judged": 1, "lessons": 1, "steps": 0, "promoted": 0, "rejected": 0, "rolled_back": 0,
+                          "busy": False}  # fmt: skip
+    finally:
+        await bus.aclose()
+        await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_split_holdout_verdict_never_keeps_the_learner_busy(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path / 'whet.db'}")
+    bus = MemoryBus()
+    learner = Learner(load_config().learner, store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
+                      trainer=lambda: pytest.fail("status() must not build a trainer"))  # fmt: skip
+    try:
+        session = await store.create_session("alice")
+        turn = await store.add_turn(TurnCreate(session_id=session.id, user_id="alice", request_id="r", step=0,
+                                               model="tiny", response_token_ids=[1], response_logprobs=[-0.1]))  # fmt: skip
+        await store.close_turn(turn.id, "feedback", {"score": 1})
+        await store.save_judgment(Judgment(turn_id=turn.id, user_id="alice", request_id="r", score=1, reason="t",
+                                           judge="t", split="holdout", trainable=True))  # fmt: skip
+        assert (await learner.status())["busy"] is False
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("enabled", [True, False], ids=["learner", "no-learner"])
+async def test_health_reports_the_learners_counters_and_whether_it_is_busy(tmp_path, enabled):
+    from test_api import chat_body, serve
+
+    from whet.runtime.scripted import ScriptedBackend
+
+    backend = ScriptedBackend(["It is 10:00.", "Sorry: it is 11:00 in Lisbon."])
+    async with serve(tmp_path, backend, learner={"enabled": enabled, "train": False}) as (client, _):
+        if not enabled:
+            assert (await client.get("/health")).json()["learner"] is None
+            return
+        await client.post("/v1/chat/completions", json=chat_body("What time is it at home?", user="alice"))
+        await client.post("/v1/chat/completions", json=chat_body("What time is it at home?", "It is 10:00.",
+                                                                 "No, I meant Lisbon time", user="alice"))  # fmt: skip
+        with anyio.fail_after(30):
+            while (learner := (await client.get("/health")).json()["learner"])["busy"]:
+                await anyio.sleep(0.01)  # the learner runs in the background of the app
+    assert (learner["judged"], learner["lessons"], learner["steps"]) == (1, 1, 0)
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+@pytest.mark.loopback
+def test_a_server_that_cannot_start_is_one_error_with_the_tail_of_its_log(tmp_path):
+    settings = arm_config(load_config(), "static", tmp_path / "data", str(tmp_path / "no-such-model"), free_port())
+    with pytest.raises(BenchError) as failed, served(settings, tmp_path):
+        pytest.fail("a server without a model must not become ready")
+    message = str(failed.value)
+    assert "exited with code 1" in message and "serve.log" in message and "no-such-model" in message
+
+
+@pytest.mark.loopback
+def test_bench_learn_quick_runs_end_to_end(tmp_path):
+    from whet.learner.demo_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "data"), "memory": {"embedder": "hashing"},
+                                      "model": {"max_new_tokens": 16}}))  # fmt: skip
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "whet.runtime.cli", "bench", "learn", "--quick", "--config", str(config),
+         "--model", str(model), "--json", str(out_json), "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert (report["interactions"], report["every"], report["seed"]) == (4, 2, 0)
+    assert set(report["arms"]) == set(ARMS)
+    for arm in report["arms"].values():
+        assert [p["interactions"] for p in arm["curve"]] == [0, 2, 4]
+        assert all(0.0 <= p["success"] <= 1.0 for p in arm["curve"])
+        assert arm["final_success"] == arm["curve"][-1]["success"]
+    assert report["arms"]["static"]["lessons"] == 0 and report["arms"]["static"]["adapters_promoted"] == 0
+    assert report["arms"]["memory"]["adapters_promoted"] == 0 and report["arms"]["lora"]["lessons"] == 0
+    # an untrained model serves the user badly: its corrections became lessons where lessons are kept
+    assert report["arms"]["memory"]["lessons"] > 0 and report["arms"]["memory_lora"]["lessons"] > 0
+    assert "--interactions 4 --every 2" in report["command"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "memory_lora" in done.stdout and str(out_json) in done.stdout.replace("\n", "")

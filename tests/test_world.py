@@ -1,0 +1,152 @@
+"""The assistant world's checkers, profiles, the simulated user and the demo policy's training data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from whet.learner.judge import NextState, RulesJudge, correction_hint
+from whet.learner.simuser import SimulatedUser
+from whet.learner.world import GENERAL, INTENTS, PERSONAL, ToolUse, World, load_profile, make_task
+
+PROFILE = load_profile(None)
+
+
+def test_the_default_profile_loads_and_the_world_covers_at_least_eight_intents():
+    assert PROFILE.home == "Lisbon" and PROFILE.people["Sam"] == "Tokyo"
+    assert len(INTENTS) >= 8 and set(PERSONAL) | set(GENERAL) == set(INTENTS)
+    world = World(PROFILE, seed=0)
+    assert {t.intent for t in world.general_tasks(len(GENERAL))} == set(GENERAL)
+    assert {t.intent for t in world.heldout_tasks(len(PERSONAL))} == set(PERSONAL)
+
+
+def test_tasks_are_deterministic_per_seed_and_heldout_phrasings_never_appear_in_training():
+    a, b, c = World(PROFILE, 3), World(PROFILE, 3), World(PROFILE, 4)
+    assert [t.text for t in a.training_tasks(40)] == [t.text for t in b.training_tasks(40)]
+    assert [t.text for t in a.training_tasks(40)] != [t.text for t in c.training_tasks(40)]
+    training = {t.text for t in a.training_tasks(200) if t.personal}
+    heldout = {t.text for t in a.heldout_tasks(50)}
+    assert heldout and not training & heldout
+
+
+# right and wrong solutions for one task of every intent: (calls, answer) pairs
+def _right(task) -> tuple[list[ToolUse], str]:
+    from whet.learner.demo_data import BundledTools, answer_for
+
+    tools = BundledTools(Path(_right.folder))
+    try:
+        result = tools.call(task.call)
+    finally:
+        tools.close()
+    return [task.call], answer_for(task, task.call, result)
+
+
+@pytest.mark.parametrize("intent", INTENTS)
+def test_checkers_accept_the_right_solution_and_reject_wrong_ones(intent, tmp_path):
+    import random
+
+    _right.folder = tmp_path
+    task = make_task(intent, random.Random(intent), PROFILE)
+    calls, answer = _right(task)
+    assert task.check(calls, answer), (task, answer)
+    assert not task.check([], answer), "no tool call"
+    assert not task.check(calls, ""), "no answer"
+    wrong_name = ToolUse("search_notes" if task.call.name != "search_notes" else "now", dict(task.call.arguments))
+    assert not task.check([wrong_name], answer)
+    for key, value in task.call.arguments.items():  # every argument matters
+        changed = {**task.call.arguments, key: _other(key, value)}
+        assert not task.check([ToolUse(task.call.name, changed)], answer), (intent, key)
+
+
+def _other(key: str, value):
+    return {"timezone": "Honolulu", "to_unit": "yards", "from_unit": "ounces", "list_name": "nowhere",
+            "kind": "note", "text": "something else entirely", "expression": "1 + 1", "date": "1999-01-01",
+            "start": "1999-01-01", "end": "1999-01-02"}.get(key, value + 1 if isinstance(value, int | float) else "x")
+
+
+def test_checkers_compare_meaning_not_spelling():
+    task = make_task("time_home", __import__("random").Random(0), PROFILE)
+    assert task.check([ToolUse("now", {"timezone": "Europe/Lisbon"})], "It is 10:15 in Europe/Lisbon.")
+    assert not task.check([ToolUse("now", {"timezone": "Europe/Lisbon"})], "It is late in Lisbon.")  # no time
+    distance = next(t for t in World(PROFILE, 0).heldout_tasks(10) if t.intent == "distance")
+    value = distance.call.arguments["value"]
+    right = ToolUse("convert", {"value": float(value), "from_unit": "kilometres", "to_unit": "mi"})
+    answer = f"{value} km is about {round(value * 0.621371192237, 2)} miles."
+    assert distance.check([right], answer)
+    calc = make_task("calculate", __import__("random").Random(1), PROFILE)
+    spaced = ToolUse("calculate", {"expression": calc.call.arguments["expression"].replace(" ", "")})
+    assert calc.check([spaced], f"It is {calc.shows[0]}.")
+    assert not calc.check([spaced], f"It is {calc.shows[0]}0.")
+
+
+def test_a_bad_profile_file_gets_a_clear_error(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("name: x\nhome: Atlantis\npeople: {Sam: Tokyo}\ndistance_unit: miles\n"
+                   "temperature_unit: kelvin\nreminders_list: work\n")
+    with pytest.raises(ValueError, match="Atlantis"):
+        load_profile(bad)
+    bad.write_text("name: x\nhome: Lisbon\npeople: {Sam: Tokyo}\ndistance_unit: kelvin\n"
+                   "temperature_unit: kelvin\nreminders_list: work\n")
+    with pytest.raises(ValueError, match="distance_unit: 'kelvin' is a unit of temperature"):
+        load_profile(bad)
+    bad.write_text("name: x\nfavourite_colour: blue\n")
+    with pytest.raises(ValueError, match="unknown keys favourite_colour"):
+        load_profile(bad)
+    with pytest.raises(ValueError, match="cannot read profile"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+def test_shipped_profiles_all_load():
+    folder = Path(__file__).parents[1] / "config" / "profiles"
+    profiles = sorted(folder.glob("*.yaml"))
+    assert len(profiles) >= 2
+    for path in profiles:
+        assert load_profile(path).name
+
+
+def test_the_simulated_user_thanks_when_served_right_and_corrects_when_wrong():
+    task = next(t for t in World(PROFILE, 0).heldout_tasks(5) if t.intent == "time_home")
+    user = SimulatedUser(PROFILE, seed=0)
+    replies = [user.reply(task, "It is 10:15 on Friday in Lisbon.") for _ in range(20)]
+    verdicts = {_score(r, task.text) for r in replies}
+    assert verdicts == {1}, replies
+    wrong = [user.reply(task, "It is 10:15 on Friday in Tokyo.") for _ in range(40)]
+    assert "No, I meant Lisbon time." in wrong
+    assert all(_score(r, task.text) == -1 for r in wrong)
+    assert correction_hint("No, I meant Lisbon time.") == "The user meant Lisbon time"
+
+
+def _score(reply: str, asked: str) -> int:
+    """The rules judge's score for the user's reply to the answer to ``asked``."""
+    state = NextState("user_message", {"messages": [{"role": "user", "content": reply}]})
+    return RulesJudge().decide(None, state, [{"role": "user", "content": asked}]).score
+
+
+def test_the_simulated_user_is_deterministic_per_seed():
+    tasks = World(PROFILE, 1).training_tasks(30)
+    answers = ["It is 10:15 in Lisbon.", "Done.", "It is 10:15 in UTC."] * 10
+
+    def conversation(seed: int) -> list[str]:
+        user = SimulatedUser(PROFILE, seed)
+        return [user.reply(t, a) for t, a in zip(tasks, answers, strict=True)]
+
+    assert conversation(5) == conversation(5)
+    assert conversation(5) != conversation(6)
+
+
+def test_training_conversations_use_the_servers_real_output_and_the_learners_lesson_and_hint_forms():
+    from whet.learner.demo_data import examples
+    from whet.learner.prompt import LESSONS_HEADER
+
+    batch = list(examples(200, seed=0))
+    kinds = {e.kind for e in batch}
+    assert kinds == {"general", "guess", "lesson", "hint", "correction", "thanks"}
+    lesson = next(e for e in batch if e.kind == "lesson")
+    assert LESSONS_HEADER.strip() in lesson.messages[0]["content"]
+    hint = next(e for e in batch if e.kind == "hint")
+    assert "\n\n[hint] The user meant" in hint.messages[1]["content"]
+    tool = next(m for e in batch for m in e.messages if m["role"] == "tool")
+    assert json.loads(tool["content"])  # the server's structured output, as the pool renders it
+    assert [e.messages for e in examples(5, seed=1)] == [e.messages for e in examples(5, seed=1)]
