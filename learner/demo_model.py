@@ -98,19 +98,21 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 # The demo policy's own template: ChatML like Qwen2.5, but the tool list is one line per
 # tool, "- name(arg, arg)", instead of full JSON schemas (~100 tokens instead of ~2,300 for
 # the bundled servers), which a model this small cannot read anyway and which would make
-# every training sequence twenty times longer. Tool calls and results are Qwen2.5's.
+# every training sequence twenty times longer; and it comes before the system text, so the
+# lessons at the end of the system text sit right above the user's message, where a model
+# this small can learn to read them. Tool calls and results are Qwen2.5's.
 DEMO_CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools' }}
+    {{- '<|im_start|>system\n# Tools' }}
     {%- for tool in tools %}
         {%- set fn = tool.function if tool.function is defined else tool %}
         {%- set props = fn.parameters.properties if fn.parameters is defined and fn.parameters.properties is defined else {} %}
         {{- '\n- ' + fn.name + '(' + (props | list | join(', ')) + ')' }}
     {%- endfor %}
-    {{- '\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n' }}
+    {{- '\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- '\n\n' + messages[0].content }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
 """ + CHAT_TEMPLATE[CHAT_TEMPLATE.index("{%- elif messages and messages[0].role == 'system' %}"):]
 
 _TOPICS = (
