@@ -1,0 +1,115 @@
+"""Does the policy use what it is told? Held-out personal tasks, three ways.
+
+For each held-out task of a profile the policy answers, greedily, through the
+real prompt format, the bundled tool servers (in-process) and the world's
+checker:
+
+- ``nothing``: as a new user's first request (no lessons);
+- ``lesson``: with the one lesson the learner would have written after the
+  user corrected it on an earlier request of the same kind, in the system
+  prompt (what the ``memory`` arm relies on);
+- ``hint``: with the same correction as a ``[hint]`` in the user's message
+  (what the learner's teacher sees in hindsight distillation).
+
+This isolates the policy from the rest of the loop (judge, retrieval, gate):
+if ``lesson`` is not far above ``nothing``, lessons cannot help ``whet bench learn``.
+
+    python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--seed S]
+
+``--model`` defaults to the demo policy in the default data directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from whet.config.settings import AgentConfig, load_config
+from whet.learner.demo_data import BundledTools
+from whet.learner.demo_model import demo_model_dir
+from whet.learner.judge import correction_hint
+from whet.learner.lessons import lesson_text
+from whet.learner.prompt import prompt_text, with_hint, with_lessons
+from whet.learner.world import Task, ToolUse, World, load_profile, make_task
+from whet.runtime.chat_format import parse_tool_calls
+
+WAYS = ("nothing", "lesson", "hint")
+
+
+class Policy:
+    def __init__(self, folder: Path, tools: BundledTools) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        self.tools = tools
+        self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def _generate(self, messages: list[dict]) -> str:
+        text = prompt_text(self.tokenizer, messages, self.tools.specs)
+        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = self.model.generate(ids, max_new_tokens=96, do_sample=False, eos_token_id=self.eos)
+        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    def solve(self, messages: list[dict]) -> tuple[list[ToolUse], str]:
+        """One request as the agent runs it: at most one tool step, then the answer."""
+        first = self._generate(messages)
+        _, calls, _ = parse_tool_calls(first)
+        if not calls:
+            return [], first
+        results = [{"role": "tool", "tool_call_id": c.id, "name": c.name,
+                    "content": self.tools.call(ToolUse(c.name, c.arguments))} for c in calls]  # fmt: skip
+        step = {"role": "assistant", "content": "", "tool_calls": [c.to_openai() for c in calls]}
+        return [ToolUse(c.name, c.arguments) for c in calls], self._generate([*messages, step, *results])
+
+
+def prompt(way: str, task: Task, earlier: Task) -> list[dict]:
+    system = AgentConfig().system_prompt
+    hint = correction_hint(task.correction or "")
+    if way == "lesson":
+        system = with_lessons(system, [lesson_text(earlier.text, hint=hint)])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
+    return with_hint(messages, hint) if way == "hint" else messages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="model folder (default: the demo policy in the data dir)")
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    folder = args.model or demo_model_dir(load_config().data_path)
+    if not (folder / "config.json").is_file():
+        print(f"no model in {folder}: run `whet demo-model build` or pass --model", file=sys.stderr)
+        return 2
+    profile = load_profile(args.profile)
+    tasks = World(profile, args.seed).heldout_tasks(args.tasks)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as scratch:
+        tools = BundledTools(Path(scratch))
+        try:
+            policy = Policy(folder, tools)
+            done = dict.fromkeys(WAYS, 0)
+            for task in tasks:
+                # the earlier request the lesson came from: same intent (and person), another phrasing
+                earlier = task if "person" in task.meta else make_task(task.intent, rng, profile)
+                for way in WAYS:
+                    calls, answer = policy.solve(prompt(way, task, earlier))
+                    done[way] += task.check(calls, answer)
+        finally:
+            tools.close()
+    print(f"model {folder}, profile {profile.name}, seed {args.seed}, {len(tasks)} held-out personal tasks")
+    for way in WAYS:
+        print(f"  {way:8s} {done[way]:3d}/{len(tasks)}  {done[way] / len(tasks):.2f}")
+    print("command: python bench/lesson_following.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
