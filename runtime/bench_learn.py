@@ -64,6 +64,7 @@ LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 1e-3}
 DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16}
 QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3}  # CI scale
 THRESHOLD = 0.9
+REPLIES = 2  # the user's replies in one interaction: to the answer, and to the retry after a correction
 START_TIMEOUT_S = 300.0  # model load and MCP servers starting
 IDLE_TIMEOUT_S = 900.0  # the learner finishing what an interaction block gave it
 REQUEST_TIMEOUT_S = 600.0  # one chat request, every agent step included
@@ -98,6 +99,8 @@ class Task(Protocol):
 
 
 class User(Protocol):
+    def satisfied(self, task: Any, answer: str) -> bool: ...
+
     def reply(self, task: Any, answer: str) -> str: ...
 
 
@@ -223,13 +226,19 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
 
 
 def interact(client: ArmClient, task: Task, user: User, *, seed: int) -> None:
-    """One interaction: the task, the answer, the user's reply (which closes the answer's turn)."""
+    """One interaction: the task, the answer, the user's reply (which closes the answer's turn).
+
+    A user who had to correct the assistant reads its second try too, and replies to that
+    (thanks, or another correction): up to :data:`REPLIES` replies, as a person would."""
     session = f"train-{uuid.uuid4().hex[:12]}"
-    asked = [{"role": "user", "content": task.text}]
-    answer = client.chat(session, asked, seed=seed)
-    reply = user.reply(task, answer)
-    client.chat(session, [*asked, {"role": "assistant", "content": answer}, {"role": "user", "content": reply}],
-                seed=seed)  # fmt: skip
+    messages = [{"role": "user", "content": task.text}]
+    answer = client.chat(session, messages, seed=seed)
+    for _ in range(REPLIES):
+        satisfied = user.satisfied(task, answer)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": user.reply(task, answer)}]
+        answer = client.chat(session, messages, seed=seed)
+        if satisfied:
+            return
 
 
 def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> float:
