@@ -280,11 +280,12 @@ def build_tiny_model(
     actual size. Same arguments and torch version, same weights.
     """
     tokenizer = build_tokenizer(vocab_size)
-    model = _init_model(tokenizer, hidden_size, num_layers, num_heads, seed)
+    model = _init_model(tokenizer, hidden_size, num_layers, num_heads, seed, intermediate_size=hidden_size * 2)
     return _save(model, tokenizer, Path(out_dir))
 
 
-def _init_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, seed: int):
+def _init_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, seed: int, *,
+                intermediate_size: int | None = None):
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -293,7 +294,7 @@ def _init_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, se
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
+        intermediate_size=intermediate_size or hidden_size * 3,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=max(1, num_heads // 2),
