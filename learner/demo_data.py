@@ -71,7 +71,7 @@ class BundledTools:
         from whet.servers import calc, clock, notes
 
         self.instant = datetime(2026, 11, 21, 9, 30, tzinfo=UTC)
-        self.servers = [notes.build_server(folder / "notes.db"), calc.build_server(),
+        self.servers = [notes.build_server(folder / "notes.db", now=lambda: self.instant), calc.build_server(),
                         clock.build_server(now=lambda: self.instant)]
         self.loop = asyncio.new_event_loop()
         self.specs: list[dict[str, Any]] = []

@@ -18,6 +18,7 @@ import sqlite3
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
@@ -85,20 +86,24 @@ def _note(row: tuple) -> Note:
                 completed_at=completed_at)
 
 
-def _utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
 
 
 class NoteBook:
     """The notes table behind one locked connection. Methods raise NoteError for caller mistakes."""
 
-    def __init__(self, db_path: str | Path) -> None:
+    def __init__(self, db_path: str | Path, now: Callable[[], datetime] = _utc_now) -> None:
+        self._now = now
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, timeout=10.0)
         self._db.create_function("casefold", 1, _casefold, deterministic=True)
         self._db.execute("PRAGMA journal_mode=WAL")  # a no-op answer of "memory" for ":memory:"
         with self._lock, self._db:
             self._db.executescript(_SCHEMA)
+
+    def _stamp(self) -> str:
+        return self._now().astimezone(UTC).isoformat(timespec="seconds")
 
     def close(self) -> None:
         with self._lock:
@@ -111,7 +116,7 @@ class NoteBook:
         with self._lock, self._db:
             cursor = self._db.execute(
                 "INSERT INTO notes (text, list, kind, created_at) VALUES (?, ?, ?, ?)",
-                (body, _list_name(list_name), kind, _utc_now()),
+                (body, _list_name(list_name), kind, self._stamp()),
             )
             assert cursor.lastrowid is not None
             return self._get(cursor.lastrowid)
@@ -144,7 +149,7 @@ class NoteBook:
             if note.kind != "todo":
                 raise NoteError(f"Item {note_id} is a note, not a todo, so it cannot be completed.")
             if not note.done:
-                self._db.execute("UPDATE notes SET completed_at = ? WHERE id = ?", (_utc_now(), note_id))
+                self._db.execute("UPDATE notes SET completed_at = ? WHERE id = ?", (self._stamp(), note_id))
             return self._get(note_id)
 
     def delete(self, note_id: int) -> Note:
@@ -176,9 +181,9 @@ _Limit = Annotated[int, Field(ge=1, le=500, description="Most items to return.")
 _NoteId = Annotated[int, Field(description="The id shown by add_note, list_notes or search_notes.")]
 
 
-def build_server(db_path: str | Path) -> MCPServer:
+def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) -> MCPServer:
     """An MCP server over the notebook at `db_path` (":memory:" for a throwaway one); creates the tables."""
-    notebook = NoteBook(db_path)
+    notebook = NoteBook(db_path, now)
     server = MCPServer(
         "whet-notes",
         instructions="The user's notes and todo lists (groceries, work, ...). Ids identify items for "
