@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from whet.config.settings import ConfigError, WhetConfig
+from whet.runtime.tools import parse_arguments
 
 # what each arm lets the learner change: (learner runs, weights train, lessons kept)
 ARM_LEARNING = {
@@ -303,12 +304,8 @@ def _body(response: httpx.Response) -> Any:
 
 def _arguments(raw: Any) -> dict[str, Any]:
     """A tool call's arguments as a dict; what a weak model wrote that is not a JSON object counts as none."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            return {}
-    return raw if isinstance(raw, dict) else {}
+    parsed = parse_arguments(raw)
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int) -> dict[str, Any]:

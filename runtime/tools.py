@@ -192,7 +192,7 @@ class ToolPool:
             available = ", ".join(info.name for info in self.tools()) or "none"
             return ToolResult(f"unknown tool '{name}'; available tools: {available}", True)
         info, link = entry
-        parsed = _arguments(arguments)
+        parsed = parse_arguments(arguments)
         if isinstance(parsed, str):
             return ToolResult(f"bad arguments for tool '{name}': {parsed}", True, link.name)
         client, generation = link.client, link.generation
@@ -520,7 +520,7 @@ def _openai_tool(info: ToolInfo) -> dict[str, Any]:
     return openai_tool_spec(info.name, info.description, info.input_schema)
 
 
-def _arguments(arguments: Any) -> dict[str, Any] | str:
+def parse_arguments(arguments: Any) -> dict[str, Any] | str:
     """The call's arguments as a dict, or why they are not a JSON object."""
     if arguments is None:
         return {}
