@@ -488,8 +488,10 @@ def ensure_demo_model(out_dir: Path, *, size: str = "demo", steps: int | None = 
     if (out_dir / "config.json").is_file():
         return out_dir
     if out_dir.is_dir() and any(out_dir.iterdir()):
+        from whet.learner.model import ModelLoadError
+
         problem = f"{out_dir} exists but holds no model (no config.json)"
-        raise RuntimeError(f"{problem}; move it away to rebuild the demo model")
+        raise ModelLoadError(f"{problem}; move it away to rebuild the demo model")
     if out_dir.is_dir():
         out_dir.rmdir()
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -426,14 +426,14 @@ def base_model(model_id: str, config: WhetConfig) -> str:
     """The model every arm serves, resolved once (``demo`` is built in the base config's data
     dir on first use), as an absolute folder when it is local so no arm builds or guesses."""
     from whet.learner.demo_model import demo_model_dir
-    from whet.learner.model import resolve_source
+    from whet.learner.model import ModelLoadError, resolve_source
     from whet.runtime.cli import ensure_demo
 
     try:
         if model_id == "demo":  # built here with a progress bar, not behind the first arm's start
             ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
         source = resolve_source(model_id, config.data_path, config.model.demo_size)
-    except RuntimeError as exc:  # a demo-model folder in the way
+    except ModelLoadError as exc:  # a demo-model folder in the way
         raise BenchError(f"cannot prepare the model {model_id}: {exc}") from None
     path = Path(source).expanduser()
     return str(path.resolve()) if path.exists() else source

@@ -189,8 +189,13 @@ def _load_backend(config: WhetConfig):
 
     if config.model.id == "demo" and config.model.backend != "openai":
         from whet.learner.demo_model import demo_model_dir
+        from whet.learner.model import ModelLoadError
+        from whet.runtime.policy import BackendError
 
-        ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+        try:
+            ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+        except ModelLoadError as exc:
+            raise BackendError(str(exc)) from None
     with Console(stderr=True).status(f"loading {config.model.id} ({config.model.backend})"):
         return create_backend(config.model, config.data_path)
 

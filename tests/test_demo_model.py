@@ -67,3 +67,14 @@ def test_training_reports_every_step_and_the_loss_falls(tmp_path):
     assert len(losses) == SIZES["tiny"].copy_steps + 12  # the copying warm-up, then the conversations
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # SFT learns something even at this size
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_serve_with_a_non_model_folder_where_the_demo_goes_is_one_error_line(tmp_path):
+    data = tmp_path / "data"
+    (data / "demo-model-tiny").mkdir(parents=True)
+    (data / "demo-model-tiny" / "notes.txt").write_text("not a model")
+    config = tmp_path / "whet.yaml"
+    config.write_text(f"data_dir: {data}\nmodel: {{demo_size: tiny}}\nmemory: {{embedder: hashing}}\n")
+    done = whet("serve", "--config", str(config))
+    assert done.returncode == 1 and "holds no model" in done.stderr and "move it away" in done.stderr
+    assert "Traceback" not in done.stderr
