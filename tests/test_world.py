@@ -32,10 +32,10 @@ def test_tasks_are_deterministic_per_seed_and_heldout_phrasings_never_appear_in_
 
 
 # right and wrong solutions for one task of every intent: (calls, answer) pairs
-def _right(task) -> tuple[list[ToolUse], str]:
+def _right(task, folder: Path) -> tuple[list[ToolUse], str]:
     from whet.learner.demo_data import BundledTools, answer_for
 
-    tools = BundledTools(Path(_right.folder))
+    tools = BundledTools(folder)
     try:
         result = tools.call(task.call)
     finally:
@@ -47,9 +47,8 @@ def _right(task) -> tuple[list[ToolUse], str]:
 def test_checkers_accept_the_right_solution_and_reject_wrong_ones(intent, tmp_path):
     import random
 
-    _right.folder = tmp_path
     task = make_task(intent, random.Random(intent), PROFILE)
-    calls, answer = _right(task)
+    calls, answer = _right(task, tmp_path)
     assert task.check(calls, answer), (task, answer)
     assert not task.check([], answer), "no tool call"
     assert not task.check(calls, ""), "no answer"
