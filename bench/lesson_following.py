@@ -31,13 +31,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whet.config.settings import AgentConfig, load_config
-from whet.learner.demo_data import BundledTools
 from whet.learner.demo_model import demo_model_dir
 from whet.learner.judge import correction_hint
 from whet.learner.lessons import lesson_text
 from whet.learner.prompt import prompt_text, with_hint, with_lessons
-from whet.learner.world import Task, ToolUse, World, load_profile, make_task
 from whet.runtime.chat_format import parse_tool_calls
+from whet.world.conversations import BundledTools
+from whet.world.tasks import Task, ToolUse, World, load_profile, make_task
 
 WAYS = ("nothing", "lesson", "hint")
 

@@ -2,7 +2,7 @@
 
 :func:`build_demo_model` (``whet demo-model build``; ``model.id: demo`` runs it on
 first start) writes supervised conversations over the bundled MCP servers
-(``whet.learner.demo_data``), learns a byte-level BPE tokenizer from them, and
+(``whet.world.conversations``), learns a byte-level BPE tokenizer from them, and
 trains a Qwen2 causal LM of a few million parameters on the assistant's parts
 of those conversations, rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as
 the server renders prompts. The result is an ordinary HF folder
@@ -349,15 +349,15 @@ def build_demo_model(out_dir: Path, *, size: str = "demo", seed: int = 0, steps:
                      progress: Progress | None = None) -> Path:
     """Train the demo policy from scratch into ``out_dir``; returns it.
 
-    A BPE tokenizer is learned from the training conversations (``whet.learner.demo_data``),
+    A BPE tokenizer is learned from the training conversations (``whet.world.conversations``),
     a Qwen2-shaped model is initialised from ``seed`` and trained with supervised
     fine-tuning on the assistant's parts of those conversations (tool calls and answers),
     rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as the server renders prompts.
     """
     import torch
 
-    from whet.learner.demo_data import examples
     from whet.learner.prompt import prompt_text
+    from whet.world.conversations import examples
 
     spec = SIZES[size]
     steps = spec.steps if steps is None else steps

@@ -16,7 +16,7 @@ renders exactly the same string.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mcp_types as types
@@ -93,6 +93,20 @@ def canonical_arguments(arguments: str | dict[str, Any]) -> str:
         except json.JSONDecodeError:
             return arguments
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def parse_arguments(arguments: Any) -> dict[str, Any] | str:
+    """The call's arguments as a dict, or why they are not a JSON object."""
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str | bytes):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return f"not valid JSON ({exc.msg} at column {exc.colno}); send a JSON object"
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    return f"must be a JSON object, got {type(arguments).__name__}"
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:

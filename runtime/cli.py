@@ -129,7 +129,7 @@ def _positive(text: str) -> int:
 
 
 def _arms(text: str) -> tuple[str, ...]:
-    from whet.runtime.bench_learn import ARMS
+    from whet.world.bench import ARMS
 
     arms = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
     unknown = [a for a in arms if a not in ARMS]
@@ -331,11 +331,13 @@ def _print_turn(turn: Any) -> None:
 
 
 def _bench_learn(args: argparse.Namespace) -> int:
-    from whet.runtime.bench_learn import BenchError, Plan, run_bench
+    from whet.world.bench import BenchError, Plan, run_bench
 
     config = _load(args)
     try:
-        return run_bench(config, Plan.from_args(args, config))
+        return run_bench(config, Plan.from_args(args, config),
+                         prepare_model=lambda out: ensure_demo(out, config.model.demo_size),
+                         whet=[sys.executable, "-m", "whet.runtime.cli"])  # fmt: skip
     except BenchError as exc:
         print(f"whet: {exc}", file=sys.stderr)
         return 1

@@ -19,7 +19,6 @@ servers offer the same name, both become ``server__tool``.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections import Counter
@@ -43,7 +42,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from whet.config.mcp import HttpTransport, McpServerSpec, StdioTransport
-from whet.learner.prompt import openai_tool_spec, render_tool_result
+from whet.learner.prompt import openai_tool_spec, parse_arguments, render_tool_result
 
 log = structlog.get_logger(__name__)
 
@@ -518,20 +517,6 @@ def _tool_info(name: str, server: str, tool: types.Tool) -> ToolInfo:
 
 def _openai_tool(info: ToolInfo) -> dict[str, Any]:
     return openai_tool_spec(info.name, info.description, info.input_schema)
-
-
-def parse_arguments(arguments: Any) -> dict[str, Any] | str:
-    """The call's arguments as a dict, or why they are not a JSON object."""
-    if arguments is None:
-        return {}
-    if isinstance(arguments, str | bytes):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            return f"not valid JSON ({exc.msg} at column {exc.colno}); send a JSON object"
-    if isinstance(arguments, Mapping):
-        return dict(arguments)
-    return f"must be a JSON object, got {type(arguments).__name__}"
 
 
 def _describe(exc: BaseException) -> str:

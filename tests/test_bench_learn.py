@@ -20,7 +20,7 @@ from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import MemoryBus
 from whet.memory.store import open_store
 from whet.memory.tables import Adapter, Judgment, TurnCreate
-from whet.runtime.bench_learn import (
+from whet.world.bench import (
     ARMS,
     ArmResult,
     BenchError,
@@ -235,7 +235,7 @@ async def test_health_reports_the_learners_counters_and_whether_it_is_busy(tmp_p
 @pytest.mark.loopback
 def test_a_server_that_cannot_start_is_one_error_with_the_tail_of_its_log(tmp_path):
     settings = arm_config(load_config(), "static", tmp_path / "data", str(tmp_path / "no-such-model"), free_port())
-    with pytest.raises(BenchError) as failed, served(settings, tmp_path):
+    with pytest.raises(BenchError) as failed, served(settings, tmp_path, [sys.executable, "-m", "whet.runtime.cli"]):
         pytest.fail("a server without a model must not become ready")
     message = str(failed.value)
     assert "exited with code 1" in message and "serve.log" in message and "no-such-model" in message

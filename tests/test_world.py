@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from whet.learner.judge import NextState, RulesJudge, correction_hint
-from whet.learner.simuser import SimulatedUser
-from whet.learner.world import GENERAL, INTENTS, PERSONAL, ToolUse, World, load_profile, make_task
+from whet.world.tasks import GENERAL, INTENTS, PERSONAL, ToolUse, World, load_profile, make_task
+from whet.world.user import SimulatedUser
 
 PROFILE = load_profile(None)
 
@@ -31,9 +33,27 @@ def test_tasks_are_deterministic_per_seed_and_heldout_phrasings_never_appear_in_
     assert heldout and not training & heldout
 
 
+def test_the_learner_imports_neither_the_world_nor_the_servers_and_the_world_never_the_runtime():
+    # a fresh interpreter: this test session has imported everything elsewhere
+    code = (
+        "import importlib, pkgutil, sys, whet.learner\n"
+        "def load(package):\n"
+        "    for m in pkgutil.iter_modules(package.__path__):\n"
+        "        importlib.import_module(f'{package.__name__}.{m.name}')\n"
+        "load(whet.learner)\n"
+        "bad = [m for m in sys.modules if m.startswith(('whet.world', 'whet.servers', 'whet.runtime'))]\n"
+        "assert not bad, bad\n"
+        "import whet.world\n"
+        "load(whet.world)\n"
+        "bad = [m for m in sys.modules if m.startswith('whet.runtime')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # right and wrong solutions for one task of every intent: (calls, answer) pairs
 def _right(task, folder: Path) -> tuple[list[ToolUse], str]:
-    from whet.learner.demo_data import BundledTools, answer_for
+    from whet.world.conversations import BundledTools, answer_for
 
     tools = BundledTools(folder)
     try:
@@ -136,8 +156,8 @@ def test_the_simulated_user_is_deterministic_per_seed():
 
 
 def test_training_conversations_use_the_servers_real_output_and_the_learners_lesson_and_hint_forms():
-    from whet.learner.demo_data import examples
     from whet.learner.prompt import LESSONS_HEADER
+    from whet.world.conversations import examples
 
     batch = list(examples(200, seed=0))
     kinds = {e.kind for e in batch}

@@ -11,7 +11,7 @@ compares meaning, not spelling (``Lisbon`` and ``Europe/Lisbon`` are one zone,
 :class:`Profile`): which city "home" is, where a person lives, the units they
 think in, the list their reminders go to. *General* intents need none. The
 demo policy is trained on the same intents with random preferences
-(``whet.learner.demo_data``), so it can follow a lesson or hint but cannot know
+(``whet.world.conversations``), so it can follow a lesson or hint but cannot know
 a particular user until it has learned from them.
 
 Profiles are data files (YAML); see ``config/profiles/default.yaml`` for the
@@ -70,7 +70,7 @@ WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", 
 @dataclass(frozen=True)
 class Vocabulary:
     """The values tasks are made of. :data:`NATURAL` is what users say; the demo policy trains
-    on a much wider one (``whet.learner.demo_data``), so that copying a value from the request,
+    on a much wider one (``whet.world.conversations``), so that copying a value from the request,
     a lesson or a tool result is the only way to get it right."""
 
     cities: Sequence[str] = CITIES

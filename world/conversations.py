@@ -5,7 +5,7 @@ prompt (with retrieved lessons, when there are any), the bundled servers' tool
 list, the user's request, the tool call, the tool's real output (the bundled
 MCP servers run in-process here, and their results are rendered as the tool
 pool renders them), and the final answer. The tasks come from the assistant
-world (``whet.learner.world``), with random preferences, so that the policy
+world (``whet.world.tasks``), with random preferences, so that the policy
 learns to *read* preferences rather than to know any one user's:
 
 - ``general``: a general task, sometimes beside unrelated lessons;
@@ -35,7 +35,7 @@ from whet.config.settings import AgentConfig
 from whet.learner.judge import correction_hint
 from whet.learner.lessons import lesson_text
 from whet.learner.prompt import openai_tool_spec, render_tool_result, with_hint, with_lessons
-from whet.learner.world import (
+from whet.world.tasks import (
     DISTANCE_UNITS,
     GENERAL,
     NATURAL,

@@ -1,6 +1,6 @@
 """``whet bench learn``: does whet get better by being used, and does it forget what it knew?
 
-A simulated user (``whet.learner.simuser``) with one profile of preferences drives a
+A simulated user (``whet.world.user``) with one profile of preferences drives a
 live ``whet serve`` through its public HTTP API for N interactions: ask, read the
 answer, reply (thanks, a correction or a re-ask), so the real judge, learner, gate and
 hot-swaps do the learning. After every k interactions, held-out tasks (phrasings and
@@ -28,7 +28,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -46,7 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from whet.config.settings import ConfigError, WhetConfig
-from whet.runtime.tools import parse_arguments
+from whet.learner.prompt import parse_arguments
 
 # what each arm lets the learner change: (learner runs, weights train, lessons kept)
 ARM_LEARNING = {
@@ -282,7 +281,7 @@ class HttpArmClient:
         return _body(response)["choices"][0]["message"]["content"] or ""
 
     def tool_calls(self, session: str) -> list[Any]:
-        from whet.learner.world import ToolUse
+        from whet.world.tasks import ToolUse
 
         turns = _body(self.http.get("/v1/turns", params={"session": session, "limit": 500}))
         calls = [call["function"] for turn in reversed(turns) for call in turn["tool_calls"]]
@@ -324,8 +323,10 @@ def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int
 
 
 @contextlib.contextmanager
-def served(config: dict[str, Any], arm_dir: Path) -> Iterator[str]:
+def served(config: dict[str, Any], arm_dir: Path, whet: Sequence[str]) -> Iterator[str]:
     """``whet serve`` with ``config`` as a child process; yields its base URL once healthy.
+
+    ``whet``: the command line that runs the ``whet`` CLI (the CLI passes its own).
 
     Stopped (SIGINT, then kill) however the block ends; a failure inside the block, or the
     server's own, ends as a BenchError carrying the tail of the server's log."""
@@ -333,7 +334,7 @@ def served(config: dict[str, Any], arm_dir: Path) -> Iterator[str]:
     config_path, log_path = arm_dir / "whet.yaml", arm_dir / "serve.log"
     config_path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}  # the base config already has them
-    command = [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(config_path)]
+    command = [*whet, "serve", "--config", str(config_path)]
     base = f"http://127.0.0.1:{port}"
     with log_path.open("w") as server_log:
         process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
@@ -385,10 +386,15 @@ def free_port() -> int:
 # -- the whole run ------------------------------------------------------------
 
 
-def run_bench(config: WhetConfig, plan: Plan) -> int:
-    """Run every arm of ``plan``, write the JSON and the plot, print the table. Raises BenchError."""
-    from whet.learner.simuser import SimulatedUser
-    from whet.learner.world import World, load_profile
+def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path], Path], whet: Sequence[str]) -> int:
+    """Run every arm of ``plan``, write the JSON and the plot, print the table. Raises BenchError.
+
+    ``prepare_model(folder)`` builds the default model there if it is not built yet (see
+    :func:`base_model`); ``whet`` is the command line that runs the ``whet`` CLI (see :func:`served`).
+    The CLI passes both, so that this package never imports the runtime.
+    """
+    from whet.world.tasks import World, load_profile
+    from whet.world.user import SimulatedUser
 
     try:
         profile = load_profile(plan.profile)
@@ -399,7 +405,7 @@ def run_bench(config: WhetConfig, plan: Plan) -> int:
                   world.general_tasks(plan.general))  # fmt: skip
     console = Console(stderr=True)
     with console.status(f"preparing the base model {plan.model} (building the demo policy takes minutes, once)"):
-        model = base_model(plan.model, config)
+        model = base_model(plan.model, config, prepare_model)
     started = time.perf_counter()
     results = []
     scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept when an arm fails: its log is named there
@@ -409,7 +415,7 @@ def run_bench(config: WhetConfig, plan: Plan) -> int:
             arm_dir = scratch / arm
             arm_dir.mkdir()
             settings = arm_config(config, arm, arm_dir / "data", model, free_port())
-            with served(settings, arm_dir) as base, httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
+            with served(settings, arm_dir, whet) as base, httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
                 client = HttpArmClient(http, profile.user)
                 results.append(run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
                                        settle_s=2 * LEARNER_OVERRIDES["poll_s"],
@@ -422,16 +428,16 @@ def run_bench(config: WhetConfig, plan: Plan) -> int:
     return 0
 
 
-def base_model(model_id: str, config: WhetConfig) -> str:
-    """The model every arm serves, resolved once (``demo`` is built in the base config's data
-    dir on first use), as an absolute folder when it is local so no arm builds or guesses."""
+def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
+    """The model every arm serves, resolved once (``demo`` is built with ``prepare(folder)`` in
+    the base config's data dir on first use), as an absolute folder when it is local so no arm
+    builds or guesses."""
     from whet.learner.demo_model import demo_model_dir
     from whet.learner.model import ModelLoadError, resolve_source
-    from whet.runtime.cli import ensure_demo
 
     try:
         if model_id == "demo":  # built here with a progress bar, not behind the first arm's start
-            ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+            prepare(demo_model_dir(config.data_path, config.model.demo_size))
         source = resolve_source(model_id, config.data_path, config.model.demo_size)
     except ModelLoadError as exc:  # a demo-model folder in the way
         raise BenchError(f"cannot prepare the model {model_id}: {exc}") from None

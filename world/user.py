@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from whet.learner.world import Profile, Task
+from whet.world.tasks import Profile, Task
 
 THANKS = ("Thanks!", "Great, thanks.", "Perfect, thank you.", "Thank you!", "That's right, thanks.")
 MOVING_ON = ("Ok.", "Got it.", "Good to know.", "Alright.")
