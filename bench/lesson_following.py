@@ -16,7 +16,7 @@ if ``lesson`` is not far above ``nothing``, lessons cannot help ``whet bench lea
 
     python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--seed S]
 
-``--model`` defaults to the demo policy in the default data directory.
+``--model`` defaults to the default model (``smollm2``) in the default data directory.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whet.config.settings import AgentConfig, load_config
-from whet.learner.demo_model import demo_model_dir
 from whet.learner.judge import correction_hint
 from whet.learner.lessons import lesson_text
+from whet.learner.model import DEFAULT_MODEL, model_dir
 from whet.learner.prompt import prompt_text, with_hint, with_lessons
 from whet.runtime.chat_format import parse_tool_calls
 from whet.world.conversations import BundledTools
@@ -79,14 +79,14 @@ def prompt(way: str, task: Task, earlier: Task) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: the demo policy in the data dir)")
+    parser.add_argument("--model", type=Path, help="model folder (default: the default model in the data dir)")
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--tasks", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    folder = args.model or demo_model_dir(load_config().data_path)
+    folder = args.model or model_dir(load_config().data_path, DEFAULT_MODEL)
     if not (folder / "config.json").is_file():
-        print(f"no model in {folder}: run `whet demo-model build` or pass --model", file=sys.stderr)
+        print(f"no model in {folder}: run `whet model build` or pass --model", file=sys.stderr)
         return 2
     profile = load_profile(args.profile)
     tasks = World(profile, args.seed).heldout_tasks(args.tasks)

@@ -1,6 +1,6 @@
 """How much a training step slows serving when the learner runs alongside (the default deployment).
 
-Runs on the demo-size model built locally (no download): median chat latency of the
+Runs on the untrained tiny model built locally (no download): median chat latency of the
 in-process transformers engine while the learner is idle, then while LoRA training
 steps run back to back in the learner's worker thread, and the ratio of the two.
 
@@ -22,8 +22,8 @@ import anyio
 import torch
 
 from whet.config.settings import LoraConfig
-from whet.learner.demo_model import build_tiny_model
 from whet.learner.objective import build_objective
+from whet.learner.tiny import build_tiny_model
 from whet.learner.trainer import LoraTrainer, Sample
 from whet.runtime.hf import TransformersBackend
 from whet.runtime.policy import SamplingParams

@@ -45,11 +45,9 @@ class ServerConfig(Section):
 
 class ModelConfig(Section):
     backend: Literal["transformers", "openai", "vllm"] = "transformers"
-    # HF model id, local folder, or "demo" (the demo policy built into the data dir)
-    id: str = "demo"
-    # what ``id: demo`` builds on first use: the trained demo policy (minutes on a CPU), or an
-    # untrained model of the same kind in seconds (for tests of the serving paths)
-    demo_size: Literal["demo", "tiny"] = "demo"
+    # HF model id, local folder, "smollm2" (the default model, built into the data dir on first
+    # start) or "tiny" (an untrained tiny model built in seconds, for tests of the serving paths)
+    id: str = "smollm2"
     # name clients use in the `model` field; defaults to the id
     served_name: str | None = None
     device: str = "auto"
@@ -64,6 +62,13 @@ class ModelConfig(Section):
     request_timeout: float = Field(120.0, gt=0)
     # in-process generation worker threads: requests beyond this wait, never the event loop
     workers: int = Field(2, ge=1)
+
+    @field_validator("id")
+    @classmethod
+    def _demo_was_replaced(cls, v: str) -> str:
+        if v == "demo":
+            raise ValueError("model.id demo was replaced by smollm2 (the default model), or tiny for tests")
+        return v
 
     @property
     def name(self) -> str:

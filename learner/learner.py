@@ -455,7 +455,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
                                     rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
 
         def trainer() -> LoraTrainer:
-            source = resolve_source(config.model.id, config.data_path, config.model.demo_size)
+            source = resolve_source(config.model.id, config.data_path)
             return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
 
     return Learner(

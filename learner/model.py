@@ -2,7 +2,8 @@
 
 One loader so the learner trains exactly the weights the runtime serves: an HF
 model id (from the local cache when offline) or a ``save_pretrained`` folder;
-``demo`` names the demo policy built in the data directory.
+``smollm2`` names the default model and ``tiny`` the untrained tiny model tests use,
+both built in the data directory's ``models/`` folder.
 """
 
 from __future__ import annotations
@@ -20,12 +21,32 @@ class ModelLoadError(Exception):
     """The model cannot be loaded; the message says what to pass instead."""
 
 
-def resolve_source(model_id: str, data_dir: Path, demo_size: str = "demo") -> str:
-    """``model_id`` as something ``from_pretrained`` accepts (``demo`` is built on first use)."""
-    if model_id == "demo":
-        from whet.learner.demo_model import demo_model_dir, ensure_demo_model
+DEFAULT_MODEL = "smollm2"
+TINY_MODEL = "tiny"
 
-        return str(ensure_demo_model(demo_model_dir(data_dir, demo_size), size=demo_size))
+
+def model_dir(data_dir: Path, name: str) -> Path:
+    """Where a model whet builds itself (:data:`DEFAULT_MODEL`, :data:`TINY_MODEL`) lives in a data directory."""
+    return Path(data_dir).expanduser() / "models" / name
+
+
+def resolve_source(model_id: str, data_dir: Path) -> str:
+    """``model_id`` as something ``from_pretrained`` accepts.
+
+    ``smollm2`` must be built already (``whet serve`` builds it first); ``tiny`` is built on first use.
+    """
+    if model_id == DEFAULT_MODEL:
+        folder = model_dir(data_dir, model_id)
+        if (folder / "config.json").is_file():
+            return str(folder)
+        raise ModelLoadError(
+            f"the default model is not built yet in {folder}; `whet serve` builds it on first start, "
+            "or run `whet model build`"
+        )
+    if model_id == TINY_MODEL:
+        from whet.learner.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model(model_dir(data_dir, model_id)))
     return model_id
 
 

@@ -9,7 +9,7 @@ never imports the runtime.
 :func:`render_chatml` is the fallback prompt for tokenizers without a chat
 template. It follows Qwen2.5's template with one departure: when there is no
 system message it writes no default system text (Qwen's says "You are Qwen...").
-The demo model's Jinja template (``whet.learner.demo_model.CHAT_TEMPLATE``)
+The tiny model's Jinja template (``whet.learner.templates.CHAT_TEMPLATE``)
 renders exactly the same string.
 """
 

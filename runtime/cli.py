@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the service (OpenAI-compatible API, MCP tools, learning)")
     _config_arg(serve)
-    serve.add_argument("--model", help="HF model id or local model folder (default: the demo policy)")
+    serve.add_argument("--model", help="HF model id or local model folder (default: model.id, smollm2)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--no-learner", action="store_true",
@@ -84,17 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", help="model name (default: the server's first model)")
     chat.set_defaults(run=_chat)
 
-    demo = sub.add_parser("demo-model", help="the demo policy: a tiny model trained here, offline")
-    demo_sub = demo.add_subparsers(dest="action", required=True)
-    build = demo_sub.add_parser("build", help="train the demo policy from scratch (tokenizer, model, SFT)")
+    model = sub.add_parser("model", help="the default model (model.id smollm2), built here")
+    model_sub = model.add_subparsers(dest="action", required=True)
+    build = model_sub.add_parser("build", help="build the default model (what model.id smollm2 serves; "
+                                 "whet serve builds it on first start anyway)")  # fmt: skip
     _config_arg(build)
-    build.add_argument("--out", type=Path, help="model folder (default: <data_dir>/demo-model, what model.id demo serves)")
-    build.add_argument("--size", choices=("demo", "tiny"), default="demo",
-                       help="demo: the policy (~5 min on 2 cores); tiny: seconds, for tests")  # fmt: skip
-    build.add_argument("--steps", type=_positive, help="training steps (default: the size's own)")
+    build.add_argument("--out", type=Path, help="model folder (default: <data_dir>/models/smollm2)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
-    build.set_defaults(run=_demo_model)
+    build.set_defaults(run=_model_build)
 
     bench = sub.add_parser("bench", help="measure whet")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -187,35 +185,42 @@ def _load_backend(config: WhetConfig):
 
     from whet.runtime.policy import create_backend
 
-    if config.model.id == "demo" and config.model.backend != "openai":
-        from whet.learner.demo_model import demo_model_dir
-        from whet.learner.model import ModelLoadError
+    if config.model.id == "smollm2" and config.model.backend != "openai":  # the default model
+        from whet.learner.model import DEFAULT_MODEL, ModelLoadError, model_dir
         from whet.runtime.policy import BackendError
 
         try:
-            ensure_demo(demo_model_dir(config.data_path, config.model.demo_size), config.model.demo_size)
+            ensure_default_model(model_dir(config.data_path, DEFAULT_MODEL))
         except ModelLoadError as exc:
             raise BackendError(str(exc)) from None
     with Console(stderr=True).status(f"loading {config.model.id} ({config.model.backend})"):
         return create_backend(config.model, config.data_path)
 
 
-def ensure_demo(out_dir: Path, size: str = "demo", *, steps: int | None = None, seed: int = 0,
-                force: bool = False) -> Path:
-    """The demo policy in ``out_dir``, trained there first (with a progress bar) if it is not built yet."""
+# what the default model's build reports, by stage
+BUILD_STAGES = {
+    "convert": "converting the base model",
+    "distill": "distilling",
+    "data": "writing conversations",
+    "train": "training",
+}
+
+
+def ensure_default_model(out_dir: Path, *, seed: int = 0, force: bool = False) -> Path:
+    """The default model in ``out_dir``, built there first (with progress bars) if it is not built yet."""
     import shutil
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from whet.learner.demo_model import ensure_demo_model
+    from whet.world.warmstart import build_default_model
 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     if (out_dir / "config.json").is_file():
         return out_dir
     console = Console(stderr=True)
-    console.print(f"building the demo policy into {out_dir} (first start only; no download)")
+    console.print(f"building the default model into {out_dir} (first start only)")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))  # fmt: skip
     with Progress(*columns, console=console) as progress:
@@ -223,19 +228,18 @@ def ensure_demo(out_dir: Path, size: str = "demo", *, steps: int | None = None, 
 
         def report(stage: str, done: int, total: int, info: dict) -> None:
             if stage not in bars:
-                label = "writing conversations" if stage == "data" else "training"
-                bars[stage] = progress.add_task(label, total=total, info="")
+                bars[stage] = progress.add_task(BUILD_STAGES.get(stage, stage), total=total, info="")
             text = f"loss {info['loss']:.3f}" if "loss" in info else ""
             progress.update(bars[stage], completed=done, info=text)
 
-        return ensure_demo_model(out_dir, size=size, steps=steps, seed=seed, progress=report)
+        return build_default_model(out_dir, seed=seed, progress=report)
 
 
-def _demo_model(args: argparse.Namespace) -> int:
-    from whet.learner.demo_model import demo_model_dir
+def _model_build(args: argparse.Namespace) -> int:
+    from whet.learner.model import DEFAULT_MODEL, model_dir
 
     config = _load(args)
-    out = args.out.expanduser() if args.out else demo_model_dir(config.data_path, args.size)
+    out = args.out.expanduser() if args.out else model_dir(config.data_path, DEFAULT_MODEL)
     if (out / "config.json").is_file() and not args.force:
         print(f"whet: {out} already holds a model; pass --force to rebuild it", file=sys.stderr)
         return 1
@@ -243,9 +247,9 @@ def _demo_model(args: argparse.Namespace) -> int:
         print(f"whet: {out} exists and is not a model folder; choose another --out", file=sys.stderr)
         return 1
     started = time.perf_counter()
-    ensure_demo(out, args.size, steps=args.steps, seed=args.seed, force=args.force)
+    ensure_default_model(out, seed=args.seed, force=args.force)
     print(f"built {out} in {time.perf_counter() - started:.0f}s; serve it with `whet serve --model {out}`"
-          + ("" if args.out else " or model.id: demo"))
+          + ("" if args.out else f" or model.id: {DEFAULT_MODEL}"))
     return 0
 
 
@@ -335,8 +339,7 @@ def _bench_learn(args: argparse.Namespace) -> int:
 
     config = _load(args)
     try:
-        return run_bench(config, Plan.from_args(args, config),
-                         prepare_model=lambda out: ensure_demo(out, config.model.demo_size),
+        return run_bench(config, Plan.from_args(args, config), prepare_model=ensure_default_model,
                          whet=[sys.executable, "-m", "whet.runtime.cli"])  # fmt: skip
     except BenchError as exc:
         print(f"whet: {exc}", file=sys.stderr)

@@ -135,14 +135,19 @@ class BackendError(Exception):
 def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
     """The backend ``model`` configures.
 
-    ``id: demo`` (transformers) serves the demo model, built into ``data_dir/demo-model`` on first use.
+    ``id: smollm2`` (transformers) serves the default model from ``data_dir/models/smollm2``;
+    ``id: tiny`` the untrained tiny model, built into ``data_dir/models/tiny`` on first use.
     """
     if model.backend == "transformers":
-        from whet.learner.model import resolve_source
+        from whet.learner.model import ModelLoadError, resolve_source
         from whet.runtime.hf import TransformersBackend
 
+        try:
+            source = resolve_source(model.id, data_dir)
+        except ModelLoadError as exc:  # not built yet, or a folder in the way
+            raise BackendError(str(exc)) from None
         return TransformersBackend(
-            resolve_source(model.id, data_dir, model.demo_size),
+            source,
             device=model.device,
             dtype=model.dtype,
             workers=model.workers,

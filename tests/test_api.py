@@ -232,7 +232,7 @@ async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path)
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from whet.learner.demo_model import build_tiny_model
+    from whet.learner.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -86,16 +86,16 @@ async def test_scripted_backend_says_when_it_runs_out_of_replies():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from whet.learner.demo_model import ensure_demo_model
+    from whet.learner.tiny import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("data")
-    assert ensure_demo_model(root / "demo-model-tiny", size="tiny") == root / "demo-model-tiny"
+    assert ensure_tiny_model(root / "models" / "tiny") == root / "models" / "tiny"
     return root
 
 
 @pytest.fixture(scope="module")
 def model_dir(data_dir) -> Path:
-    return data_dir / "demo-model-tiny"
+    return data_dir / "models" / "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def adapter_dir(model_dir, tmp_path_factory) -> Path:
 def backend(data_dir):
     from whet.config.settings import ModelConfig
 
-    engine = create_backend(ModelConfig(id="demo", demo_size="tiny", device="cpu", workers=2), data_dir)
+    engine = create_backend(ModelConfig(id="tiny", device="cpu", workers=2), data_dir)
     yield engine
     asyncio.run(engine.aclose())
 
@@ -135,10 +135,10 @@ def _raw_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> list[fl
     return [float(logprobs[start + i, t]) for i, t in enumerate(token_ids)]
 
 
-def test_create_backend_serves_the_demo_model_built_once_into_the_data_dir(backend, data_dir):
-    assert [p.name for p in data_dir.iterdir()] == ["demo-model-tiny"]  # no staging folder left behind
-    assert (data_dir / "demo-model-tiny" / "model.safetensors").is_file()
-    assert isinstance(backend, PolicyBackend) and backend.model_name == "demo"
+def test_create_backend_serves_the_tiny_model_built_once_into_the_data_dir(backend, data_dir):
+    assert [p.name for p in (data_dir / "models").iterdir()] == ["tiny"]  # no staging folder left behind
+    assert (data_dir / "models" / "tiny" / "model.safetensors").is_file()
+    assert isinstance(backend, PolicyBackend) and backend.model_name == "tiny"
     assert backend.context_tokens == 4096
     assert backend.device.type == "cpu"
 
@@ -151,7 +151,7 @@ async def test_prompt_ids_are_the_tokenizers_encoding_of_the_chat_template(backe
     generation = await backend.generate(USER, TOOLS, SamplingParams(max_new_tokens=4, seed=0))
     text = tokenizer.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert generation.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
-    assert text.endswith("<|im_start|>assistant\n") and "\n- get_weather(city)\n" in text  # the demo's tool list
+    assert text.endswith("<|im_start|>assistant\n") and "<tools>" in text and '"get_weather"' in text  # Qwen2.5's
 
 
 @pytest.mark.anyio

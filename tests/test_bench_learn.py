@@ -38,7 +38,7 @@ from whet.world.bench import (
 
 def make_plan(tmp_path: Path, **overrides: Any) -> Plan:
     fields = {"profile": None, "seed": 3, "interactions": 6, "every": 4, "heldout": 2, "general": 2, "arms": ARMS,
-              "model": "demo", "json_path": tmp_path / "b.json", "plot_path": tmp_path / "b.png"}  # fmt: skip
+              "model": "smollm2", "json_path": tmp_path / "b.json", "plot_path": tmp_path / "b.png"}  # fmt: skip
     return Plan(**{**fields, **overrides})
 
 
@@ -243,7 +243,7 @@ def test_a_server_that_cannot_start_is_one_error_with_the_tail_of_its_log(tmp_pa
 
 @pytest.mark.loopback
 def test_bench_learn_quick_runs_end_to_end(tmp_path):
-    from whet.learner.demo_model import build_tiny_model
+    from whet.learner.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "m")
     config = tmp_path / "base.yaml"

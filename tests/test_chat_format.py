@@ -161,16 +161,37 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def demo_tokenizer():
-    from whet.learner.demo_model import build_tokenizer
+def tiny_tokenizer():
+    from whet.learner.tiny import build_tokenizer
 
     return build_tokenizer(512)
 
 
 @pytest.mark.parametrize(("messages", "tools"), CONVERSATIONS)
-def test_demo_chat_template_renders_exactly_like_render_chatml(demo_tokenizer, messages, tools):
+def test_the_tiny_models_chat_template_renders_exactly_like_render_chatml(tiny_tokenizer, messages, tools):
     for generation_prompt in (True, False):
-        rendered = demo_tokenizer.apply_chat_template(
+        rendered = tiny_tokenizer.apply_chat_template(
             template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
         )
         assert rendered == render_chatml(messages, tools, add_generation_prompt=generation_prompt)
+
+
+@pytest.mark.parametrize(("messages", "tools"), CONVERSATIONS)
+def test_the_compact_template_lists_tools_one_line_each_before_the_system_text_and_renders_the_rest_alike(
+    tiny_tokenizer, messages, tools
+):
+    from whet.learner.templates import COMPACT_CHAT_TEMPLATE
+
+    rendered = tiny_tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+                                                  chat_template=COMPACT_CHAT_TEMPLATE, add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+    full = render_chatml(messages, tools, add_generation_prompt=True)
+    if not tools:
+        assert rendered == full
+        return
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    head = "<|im_start|>system\n# Tools\n- get_weather(city)\nCall a tool as <tool_call>\n"
+    assert rendered.startswith(head) and rendered.count("<|im_end|>") == full.count("<|im_end|>")
+    block = rendered[: rendered.index("<|im_end|>\n") + len("<|im_end|>\n")]
+    assert block.endswith(f"\n\n{system}<|im_end|>\n" if system else "</tool_call><|im_end|>\n")
+    assert rendered[len(block):] == full[full.index("<|im_end|>\n") + len("<|im_end|>\n"):]

@@ -9,7 +9,7 @@ from whet.config.settings import ConfigError, load_config
 
 def test_shipped_defaults_load_and_point_at_sqlite_and_the_bundled_servers():
     config = load_config()
-    assert config.model.id == "demo" and config.model.backend == "transformers"
+    assert config.model.id == "smollm2" and config.model.backend == "transformers"
     assert config.store_url.startswith("sqlite:///") and config.store_url.endswith("whet.db")
     assert config.bus.url is None
     assert config.mcp_config_path().name == "mcp.json"
@@ -39,6 +39,15 @@ def test_a_bad_bus_url_is_refused_with_the_schemes_that_work(monkeypatch):
     with pytest.raises(ConfigError) as err:
         load_config()
     assert err.value.key == "bus.url" and "mqtt://" in str(err.value)
+
+
+def test_model_id_demo_is_refused_saying_what_replaced_it(tmp_path):
+    path = tmp_path / "whet.yaml"
+    path.write_text("model:\n  id: demo\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == "model.id" and "replaced by smollm2" in err.value.problem
+    assert "\n" not in err.value.problem
 
 
 def test_the_logged_config_masks_every_api_key_and_keeps_every_user():

@@ -39,7 +39,7 @@ VERSIONS = ("v1", "v2", "v3")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from whet.learner.demo_model import build_tiny_model
+    from whet.learner.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

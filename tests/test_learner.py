@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from whet.config.settings import LearnerConfig, LoraConfig
-from whet.learner.demo_model import build_tiny_model
 from whet.learner.judge import RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
 from whet.learner.objective import build_objective
 from whet.learner.prompt import hinted_prompt_ids, prompt_text
 from whet.learner.registry import AdapterRegistry
+from whet.learner.tiny import build_tiny_model
 from whet.learner.trainer import LoraTrainer, Sample
 from whet.memory.bus import LESSON_ADDED, MemoryBus
 from whet.memory.experience import Experience

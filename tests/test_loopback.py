@@ -42,8 +42,8 @@ def free_port() -> int:
 def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
     port = free_port()
     config = {"data_dir": str(tmp_path / "data"), "memory": {"embedder": "hashing"}, **config}
-    # model.id demo builds the untrained tiny one (seconds); the trained demo policy takes minutes
-    config["model"] = {"demo_size": "tiny", **config.get("model", {})}
+    # model.id tiny builds the untrained tiny model on first start (seconds)
+    config["model"] = {"id": "tiny", **config.get("model", {})}
     path = tmp_path / "whet.yaml"
     path.write_text(yaml.safe_dump(config))
     log = (tmp_path / "serve.log").open("w")
@@ -81,15 +81,15 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, deadline_s: 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from whet.learner.demo_model import build_tiny_model
+    from whet.learner.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def test_the_openai_client_chats_with_whet_serve_and_every_turn_has_token_ids(tmp_path):
-    # the out-of-the-box deployment: demo model built on first start, bundled MCP servers
+    # the out-of-the-box deployment: the model built on first start, bundled MCP servers
     with whet_serve(tmp_path, {"model": {"max_new_tokens": 12}}) as base:
-        assert (tmp_path / "data" / "demo-model-tiny" / "config.json").is_file()
+        assert (tmp_path / "data" / "models" / "tiny" / "config.json").is_file()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}])

@@ -28,7 +28,7 @@ def turn_for(session_id: str, user_id: str, *, step: int = 0, request_id: str = 
         user_id=user_id,
         request_id=request_id,
         step=step,
-        model="demo",
+        model="smollm2",
         policy_version="global-0001",
         prompt_messages=[{"role": "user", "content": "what time is it?"}],
         tool_names=["get_current_time"],

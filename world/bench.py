@@ -404,7 +404,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     tasks = Tasks(world.training_tasks(plan.interactions), world.heldout_tasks(plan.heldout),
                   world.general_tasks(plan.general))  # fmt: skip
     console = Console(stderr=True)
-    with console.status(f"preparing the base model {plan.model} (building the demo policy takes minutes, once)"):
+    with console.status(f"preparing the base model {plan.model}"):
         model = base_model(plan.model, config, prepare_model)
     started = time.perf_counter()
     results = []
@@ -429,17 +429,17 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
 
 
 def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
-    """The model every arm serves, resolved once (``demo`` is built with ``prepare(folder)`` in
-    the base config's data dir on first use), as an absolute folder when it is local so no arm
-    builds or guesses."""
-    from whet.learner.demo_model import demo_model_dir
-    from whet.learner.model import ModelLoadError, resolve_source
+    """The model every arm serves, resolved once, as an absolute folder when it is local so no
+    arm builds or guesses. The default model (``smollm2``) is built first with ``prepare(folder)``
+    into the base config's data dir, here with its progress bars rather than behind the first
+    arm's start; ``tiny`` is built by resolving it."""
+    from whet.learner.model import DEFAULT_MODEL, ModelLoadError, model_dir, resolve_source
 
     try:
-        if model_id == "demo":  # built here with a progress bar, not behind the first arm's start
-            prepare(demo_model_dir(config.data_path, config.model.demo_size))
-        source = resolve_source(model_id, config.data_path, config.model.demo_size)
-    except ModelLoadError as exc:  # a demo-model folder in the way
+        if model_id == DEFAULT_MODEL:
+            prepare(model_dir(config.data_path, DEFAULT_MODEL))
+        source = resolve_source(model_id, config.data_path)
+    except ModelLoadError as exc:  # a folder in the way
         raise BenchError(f"cannot prepare the model {model_id}: {exc}") from None
     path = Path(source).expanduser()
     return str(path.resolve()) if path.exists() else source

@@ -1,20 +1,10 @@
-"""The demo policy: a tiny Qwen2-shaped model trained here, from scratch, with no download.
+"""The untrained tiny model tests use: a Qwen2-shaped causal LM of about 140 thousand
+parameters and a byte-level BPE tokenizer learned in a second, with no download.
 
-:func:`build_demo_model` (``whet demo-model build``; ``model.id: demo`` runs it on
-first start) writes supervised conversations over the bundled MCP servers
-(``whet.world.conversations``), learns a byte-level BPE tokenizer from them, and
-trains a Qwen2 causal LM of a few million parameters on the assistant's parts
-of those conversations, rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as
-the server renders prompts. The result is an ordinary HF folder
-(``save_pretrained``) that ``AutoTokenizer`` / ``AutoModelForCausalLM`` load
-offline. It is a demo policy for trying the loop: it calls the bundled tools,
-answers from their results and follows lessons and hints, and knows nothing
-else.
-
-:func:`build_tiny_model` writes an *untrained* model of the same kind in a
-second, with Qwen2.5's own template (:data:`CHAT_TEMPLATE`, which renders
-exactly what ``whet.learner.prompt.render_chatml`` renders): real token ids
-and log-probs for tests of the serving and learning paths.
+:func:`build_tiny_model` writes it as an ordinary HF folder (``save_pretrained``) with Qwen2.5's
+own chat template (:data:`whet.learner.templates.CHAT_TEMPLATE`): random weights, but real token
+ids and log-probs for tests of the serving and learning paths. ``model.id: tiny`` serves it,
+built on first use into ``<data_dir>/models/tiny`` (:func:`ensure_tiny_model`).
 """
 
 from __future__ import annotations
@@ -22,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
+
+from whet.learner.templates import CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # like Qwen2.5: single tokens, but not "special", so decoding never drops them
@@ -44,76 +35,6 @@ _TOOLS_FOOTER = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>'
 )
-
-# Qwen2.5's template, less its default "You are Qwen" system text.
-CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments' }}
-    {{- ' within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
-    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- elif message.role == 'assistant' and message.tool_calls %}
-        {{- '<|im_start|>assistant' }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}"""
-
-# The demo policy's own template: ChatML like Qwen2.5, but the tool list is one line per
-# tool, "- name(arg, arg)", instead of full JSON schemas (~100 tokens instead of ~2,300 for
-# the bundled servers), which a model this small cannot read anyway and which would make
-# every training sequence twenty times longer; and it comes before the system text, so the
-# lessons at the end of the system text sit right above the user's message, where a model
-# this small can learn to read them. Tool calls and results are Qwen2.5's.
-DEMO_CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n# Tools' }}
-    {%- for tool in tools %}
-        {%- set fn = tool.function if tool.function is defined else tool %}
-        {%- set props = fn.parameters.properties if fn.parameters is defined and fn.parameters.properties is defined else {} %}
-        {{- '\n- ' + fn.name + '(' + (props | list | join(', ')) + ')' }}
-    {%- endfor %}
-    {{- '\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- '\n\n' + messages[0].content }}
-    {%- endif %}
-    {{- '<|im_end|>\n' }}
-""" + CHAT_TEMPLATE[CHAT_TEMPLATE.index("{%- elif messages and messages[0].role == 'system' %}"):]
 
 _TOPICS = (
     "weather in Paris", "time in Tokyo", "my calendar tomorrow", "the meeting notes", "a short poem",
@@ -318,168 +239,8 @@ def _save(model, tokenizer, out_dir: Path) -> Path:
     return out_dir
 
 
-# ----------------------------------------------------------------------------- the trained demo policy
-
-
-@dataclass(frozen=True)
-class DemoSize:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    steps: int
-    batch_size: int
-    learning_rate: float
-    copy_steps: int = 0  # warm-up on copying spans (see _copy_batches) before the conversations
-
-
-SIZES = {
-    # 2.1M parameters; about 5 minutes on 2 CPU cores: copying warm-up, then the conversations
-    "demo": DemoSize(hidden_size=192, num_layers=4, num_heads=6, vocab_size=2048, steps=600, batch_size=8,
-                     learning_rate=3e-3, copy_steps=250),
-    # seconds: for tests of the build and serving paths, not for its behaviour
-    "tiny": DemoSize(hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024, steps=6, batch_size=4,
-                     learning_rate=3e-3, copy_steps=2),
-}
-Progress = Callable[[str, int, int, dict], None]
-"""``progress(stage, done, total, info)``: stage is "data" or "train"; info has the loss when training."""
-
-
-def build_demo_model(out_dir: Path, *, size: str = "demo", seed: int = 0, steps: int | None = None,
-                     progress: Progress | None = None) -> Path:
-    """Train the demo policy from scratch into ``out_dir``; returns it.
-
-    A BPE tokenizer is learned from the training conversations (``whet.world.conversations``),
-    a Qwen2-shaped model is initialised from ``seed`` and trained with supervised
-    fine-tuning on the assistant's parts of those conversations (tool calls and answers),
-    rendered with :data:`DEMO_CHAT_TEMPLATE` exactly as the server renders prompts.
-    """
-    import torch
-
-    from whet.learner.prompt import prompt_text
-    from whet.world.conversations import examples
-
-    spec = SIZES[size]
-    steps = spec.steps if steps is None else steps
-    report = progress or (lambda *_: None)
-    n = steps * spec.batch_size
-    texts = []
-    renderer = build_tokenizer(512, template=DEMO_CHAT_TEMPLATE)  # only its template renders; merges come next
-    for i, example in enumerate(examples(n, seed)):
-        texts.append(prompt_text(renderer, example.messages, example.tools, add_generation_prompt=False))
-        if i % 64 == 0:
-            report("data", i, n, {})
-    report("data", n, n, {})
-    tokenizer = build_tokenizer(spec.vocab_size, texts[:4000], DEMO_CHAT_TEMPLATE)
-    rows = [_tokenize(tokenizer, t) for t in texts]
-    batches = _copy_batches(rows, spec.copy_steps, seed) + _batches(rows, spec.batch_size, seed)
-    steps = len(batches)
-    model = _init_model(tokenizer, spec.hidden_size, spec.num_layers, spec.num_heads, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _lr_factor(i, warmup, steps))
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step, batch in enumerate(batches):
-            ids, labels, mask = _pad(batch, pad_id)
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            report("train", step + 1, len(batches), {"loss": loss.item()})
-    model.eval()
-    return _save(model, tokenizer, Path(out_dir))
-
-
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    import math
-
-    if step < warmup:
-        return (step + 1) / warmup
-    done = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
-
-
-def _tokenize(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(ids, labels): labels are the ids inside assistant replies (``<|im_end|>`` included), else -100."""
-    encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-    spans, opener, at = [], "<|im_start|>assistant\n", 0
-    while (start := text.find(opener, at)) >= 0:
-        begin = start + len(opener)
-        end = text.index("<|im_end|>", begin) + len("<|im_end|>")
-        spans.append((begin, end))
-        at = end
-    ids, labels = encoded["input_ids"], []
-    for token, (lo, hi) in zip(ids, encoded["offset_mapping"], strict=True):
-        inside = any(b <= lo and hi <= e for b, e in spans)
-        labels.append(token if inside else -100)
-    return ids, labels
-
-
-def _batches(rows: list[tuple[list[int], list[int]]], batch_size: int, seed: int) -> list[list]:
-    """Batches of similar length (less padding), in a seeded random order."""
-    import random
-
-    rng = random.Random(seed)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    chunk = batch_size * 16
-    batches = []
-    for i in range(0, len(order), chunk):
-        group = sorted(order[i:i + chunk], key=lambda j: len(rows[j][0]))
-        batches += [[rows[j] for j in group[k:k + batch_size]] for k in range(0, len(group), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def _copy_batches(rows: list[tuple[list[int], list[int]]], steps: int, seed: int, batch_size: int = 32) -> list:
-    """Warm-up batches that teach copying: a random span of a conversation, then the same span again
-    (the loss is on the repeat). A model this small learns to copy values (a city, a number, a list
-    name) from the request, a lesson or a tool result far sooner with this than from conversations
-    alone, where such tokens are a few in a hundred."""
-    import random
-
-    rng = random.Random(f"copy:{seed}")
-    batches = []
-    for _ in range(steps):
-        batch = []
-        for _ in range(batch_size):
-            ids = rng.choice(rows)[0]
-            width = rng.randint(4, 24)
-            start = rng.randrange(max(1, len(ids) - width))
-            span = ids[start:start + width]
-            filler = rng.choice(rows)[0][: rng.randint(0, 16)]  # something between the two, as in a prompt
-            batch.append((span + filler + span, [-100] * (len(span) + len(filler)) + span))
-        batches.append(batch)
-    return batches
-
-
-def _pad(batch, pad_id: int):
-    import torch
-
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (tokens, targets) in enumerate(batch):
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        labels[row, : len(targets)] = torch.tensor(targets)
-        mask[row, : len(tokens)] = 1
-    return ids, labels, mask
-
-
-def demo_model_dir(data_dir: Path, size: str = "demo") -> Path:
-    """Where ``model.id: demo`` lives in a data directory."""
-    return Path(data_dir).expanduser() / ("demo-model" if size == "demo" else f"demo-model-{size}")
-
-
-def ensure_demo_model(out_dir: Path, *, size: str = "demo", steps: int | None = None, seed: int = 0,
-                      progress: Progress | None = None) -> Path:
-    """``out_dir`` holding the demo model, built there on first use; returns it.
+def ensure_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+    """``out_dir`` holding the tiny model, built there on first use; returns it.
 
     Built into a sibling temp folder and renamed into place, so a crash or a
     second process building at the same time never leaves a half-written model.
@@ -491,13 +252,13 @@ def ensure_demo_model(out_dir: Path, *, size: str = "demo", steps: int | None = 
         from whet.learner.model import ModelLoadError
 
         problem = f"{out_dir} exists but holds no model (no config.json)"
-        raise ModelLoadError(f"{problem}; move it away to rebuild the demo model")
+        raise ModelLoadError(f"{problem}; move it away to rebuild the tiny model")
     if out_dir.is_dir():
         out_dir.rmdir()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    build_demo_model(staging, size=size, steps=steps, seed=seed, progress=progress)
+    build_tiny_model(staging, seed=seed)
     try:
         staging.rename(out_dir)
     except OSError:  # someone else finished first (or an unrelated folder is in the way)
