@@ -1,13 +1,18 @@
 """Loading the base causal LM, for serving and for training alike.
 
 One loader so the learner trains exactly the weights the runtime serves: an HF
-model id (from the local cache when offline) or a ``save_pretrained`` folder;
-``smollm2`` names the default model and ``tiny`` the untrained tiny model tests use,
-both built in the data directory's ``models/`` folder.
+model id (from the local cache when offline), a ``save_pretrained`` folder, or a local
+``.gguf`` file (converted once into an HF folder in the data directory, since peft and the
+trainer need ordinary float weights); ``smollm2`` names the default model and ``tiny`` the
+untrained tiny model tests use, both built in the data directory's ``models/`` folder.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +52,79 @@ def resolve_source(model_id: str, data_dir: Path) -> str:
         from whet.learner.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model(model_dir(data_dir, model_id)))
+    if model_id.endswith(".gguf"):
+        return str(ensure_converted(Path(model_id).expanduser(), data_dir))
     return model_id
+
+
+# -- GGUF ----------------------------------------------------------------------------------
+
+
+def ensure_converted(gguf: Path, data_dir: Path) -> Path:
+    """The HF folder converted from the local GGUF file ``gguf``, converted on first use into
+    ``<data_dir>/models/gguf/<name>-<key>`` (the key follows the file's path, size and time)."""
+    if not gguf.is_file():
+        raise ModelLoadError(f"GGUF file {gguf} does not exist; pass the path of a .gguf file")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    out = model_dir(data_dir, "gguf") / f"{gguf.stem}-{key}"
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf, out)
+    return out
+
+
+def load_gguf(gguf: Path) -> tuple[Any, Any]:
+    """(tokenizer, float32 model) from a GGUF file, dequantized by transformers (needs ``gguf``).
+
+    transformers flags a model loaded from GGUF as quantized and will not save it, so its weights
+    are copied into a fresh model of the same architecture: an ordinary model from here on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise ModelLoadError(f"reading {gguf.name} needs the gguf package: pip install gguf ({exc})") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {gguf}: {exc}") from exc
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = type(loaded)(config)  # not on the meta device: RoPE's buffers are not in the state dict
+    model.load_state_dict(loaded.state_dict())
+    return tokenizer, model.to(torch.float32).eval()
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Write the model in ``gguf`` as an ordinary HF folder at ``out_dir`` (staged, then renamed)."""
+    tokenizer, model = load_gguf(gguf)
+    return save_folder(model, tokenizer, out_dir)
+
+
+def save_folder(model: Any, tokenizer: Any, out_dir: Path) -> Path:
+    """``save_pretrained`` into a sibling temp folder, then rename it into place: a crash or a second
+    process never leaves a half-written model at ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    _drop_quantization(staging / "config.json")
+    try:
+        staging.rename(out_dir)
+    except OSError:  # someone else finished first (or an unrelated folder is in the way)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():
+            raise
+    return out_dir
+
+
+def _drop_quantization(config_file: Path) -> None:
+    """A converted model's config must not say it is quantized: it would be loaded as GGUF again."""
+    data = json.loads(config_file.read_text())
+    if data.pop("quantization_config", None) is not None:
+        config_file.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def pick_device(device: str) -> torch.device:

