@@ -139,6 +139,9 @@ class ObjectiveConfig(Section):
     clip_high: float = Field(0.28, gt=0.0)
     advantage_clip: float = Field(5.0, gt=0.0)  # per-token OPD advantages are clipped to +-this
     baseline_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    # how a hint teaches: distribution = the hinted teacher's whole next-token distribution at
+    # every response position (KL); token = the sampled tokens' advantage logp_teacher - logp_student
+    hindsight: Literal["distribution", "token"] = "distribution"
 
 
 class LoraConfig(Section):
@@ -149,6 +152,11 @@ class LoraConfig(Section):
     learning_rate: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # train only the top N transformer layers (the ones below run without gradients); null = all
+    layers: int | None = Field(None, ge=1)
+    # the step's matmuls: auto = bfloat16 (autocast over float32 weights) on CUDA and on CPUs
+    # with native bfloat16, where it is about twice as fast; else float32
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class GateConfig(Section):
@@ -157,8 +165,9 @@ class GateConfig(Section):
     holdout_max: int = Field(64, ge=0)
     # a candidate is rejected when its preference margin (nats/token) is below -tolerance
     tolerance: float = Field(0.01, ge=0.0)
-    # JSONL of {"messages": [...], "response": "..."}: pinned turns whose likelihood must not drop
-    regression_set: Path | None = None
+    # JSONL of {"messages": [...], "response": "...", "tools"?: [...]}: pinned turns whose likelihood
+    # must not drop; "bundled" = the shipped set of general skill (config/regression.jsonl); null = none
+    regression_set: str | None = "bundled"
     regression_tolerance: float = Field(0.05, ge=0.0)  # nats/token
     # after promotion: roll back when the live adapter's mean judged score over this many
     # recent turns falls below its predecessor's by more than rollback_margin

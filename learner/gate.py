@@ -80,7 +80,8 @@ def preference_margin(replayed: Sequence[Replayed]) -> float | None:
 
 
 def load_regression_set(path: Path, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) for each line of a JSONL file of ``{"messages": [...], "response": "..."}``."""
+    """(prompt ids, response ids) for each line of a JSONL file of ``{"messages": [...], "response": "...",
+    "tools": [...]}`` (``tools``, OpenAI function specs the prompt lists, is optional)."""
     key = "learner.gate.regression_set"
     try:
         lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
@@ -93,12 +94,14 @@ def load_regression_set(path: Path, tokenizer: Any) -> list[tuple[list[int], lis
             continue
         try:
             record = json.loads(line)
-            messages, response = record["messages"], record["response"]
+            messages, response, tools = record["messages"], record["response"], record.get("tools")
             if not isinstance(messages, list) or not isinstance(response, str) or not response:
                 raise TypeError
+            if tools is not None and not isinstance(tools, list):
+                raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
-            fix = 'each line must be {"messages": [{"role": ..., "content": ...}], "response": "..."}'
+            fix = 'each line must be {"messages": [{"role": ..., "content": ...}], "response": "...", "tools"?: [...]}'
             raise ConfigError(key, f"{path} line {number} is not a regression turn", fix) from None
-        prompt = tokenizer.encode(prompt_text(tokenizer, messages, None), add_special_tokens=False)
+        prompt = tokenizer.encode(prompt_text(tokenizer, messages, tools), add_special_tokens=False)
         items.append((prompt, tokenizer.encode(response + end, add_special_tokens=False)))
     return items

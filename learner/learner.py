@@ -111,6 +111,7 @@ class Learner:
         self._trainer: LoraTrainer | None = None
         self._regression_loader = regression
         self._regression: list[tuple[list[int], list[int]]] | None = None
+        self._regression_live: tuple[str | None, list[float]] | None = None  # (live version, its replay)
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -306,7 +307,7 @@ class Learner:
         samples = [self._sample(trainer, j, t) for j, t in batch]
         regression = self._regression or []
         before = [trainer.mean_logprob(p, r) for _, p, r in held]
-        reg_before = [trainer.mean_logprob(p, r) for p, r in regression]
+        reg_before = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         stats = trainer.step(samples, baseline.value)
         baseline.update([s.score for s in samples])
@@ -334,16 +335,31 @@ class Learner:
         self._hook("after_save")
         return state
 
+    def _regression_before(self, trainer: LoraTrainer, live: str | None,
+                           regression: list[tuple[list[int], list[int]]]) -> list[float]:  # fmt: skip
+        """The regression set under the live version (loaded in ``trainer``): the same for every
+        candidate made from it, so it is replayed once per live version."""
+        if self._regression_live is None or self._regression_live[0] != live:
+            self._regression_live = (live, [trainer.mean_logprob(p, r) for p, r in regression])
+        return self._regression_live[1]
+
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:
+        score, hint = judgment.score, judgment.hint
+        if _reads_tool_results(turn):
+            # An answer written from tool results said what the tools returned: a correction of
+            # it is a correction of the call that fed it, which gets this verdict by credit. So
+            # such an answer learns from success only; taught "not Paris" after a Paris result,
+            # or given a hinted teacher that says Lisbon over it, it would learn to misreport.
+            score, hint = max(score, 0), None
         teacher = None
-        if judgment.hint:
-            teacher = hinted_prompt_ids(trainer.tokenizer, turn.prompt_messages, turn.prompt_token_ids, judgment.hint)
+        if hint:
+            teacher = hinted_prompt_ids(trainer.tokenizer, turn.prompt_messages, turn.prompt_token_ids, hint)
         return Sample(
             turn_id=turn.id,
             prompt_ids=turn.prompt_token_ids,
             response_ids=turn.response_token_ids,
             behaviour_logprobs=turn.response_logprobs,
-            score=judgment.score,
+            score=score,
             teacher_prompt_ids=teacher,
         )
 
@@ -410,11 +426,28 @@ class Learner:
             log.warning("adapter rolled back", version=live.id, reason=reason)
 
 
+def _reads_tool_results(turn: Turn) -> bool:
+    """Whether the turn's prompt ends with tool results: the step after a tool call."""
+    messages = turn.prompt_messages or []
+    return bool(messages) and messages[-1].get("role") == "tool"
+
+
 def _parent_state(live: Adapter | None) -> dict[str, Any]:
     if live is None:
         return {}
     path = Path(live.path) / TRAINER_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def regression_path(setting: str | None) -> Path | None:
+    """``learner.gate.regression_set`` as a file: ``bundled`` is the shipped set of general skill."""
+    if setting is None:
+        return None
+    if setting == "bundled":
+        from importlib import resources
+
+        return Path(str(resources.files("whet.config").joinpath("regression.jsonl")))
+    return Path(setting).expanduser()
 
 
 def check_config(config: WhetConfig, *, standalone: bool) -> None:
@@ -425,8 +458,8 @@ def check_config(config: WhetConfig, *, standalone: bool) -> None:
     if learner.judge.kind == "rules+llm" and standalone and not learner.judge.base_url:
         raise ConfigError("learner.judge.base_url", "the LLM judge has no model to ask when the learner runs "
                           "without the server", "set learner.judge.base_url to an OpenAI-compatible endpoint")  # fmt: skip
-    regression = learner.gate.regression_set
-    if regression is not None and not Path(regression).expanduser().is_file():
+    regression = regression_path(learner.gate.regression_set)
+    if regression is not None and not regression.is_file():
         raise ConfigError("learner.gate.regression_set", f"{regression} does not exist", "point it at a JSONL file or null")
 
 
@@ -445,14 +478,14 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
             chat = OpenAIChat(j.base_url, j.api_key, model=j.model or config.model.name)
         assert chat is not None  # check_config
         judge = ComposedJudge(judge, LLMJudge(chat, votes=j.votes, temperature=j.temperature))
-    regression = learner.gate.regression_set
+    regression = regression_path(learner.gate.regression_set)
     trainer = None
     if config.model.backend == "openai":
         log.info("the openai backend cannot change weights: the learner keeps lessons only")
     else:
         o = learner.objective
         objective = build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
-                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
+                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight, hindsight=o.hindsight)  # fmt: skip
 
         def trainer() -> LoraTrainer:
             source = resolve_source(config.model.id, config.data_path)

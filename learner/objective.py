@@ -45,6 +45,9 @@ class TokenBatch:
     teacher_logp: torch.Tensor | None = None  # [B, T] same policy with the hint, no grad
     has_hint: torch.Tensor | None = None  # [B] bool
     ref_logp: torch.Tensor | None = None  # [B, T] base model (adapter disabled), no grad
+    # whole next-token distributions, for objectives that need them (``needs_distributions``)
+    student_dist: torch.Tensor | None = None  # [B, T, V] log-softmax of the current policy, requires grad
+    teacher_dist: torch.Tensor | None = None  # [B, T, V] log-softmax of the hinted teacher, no grad
 
 
 class Objective(Protocol):
@@ -181,11 +184,42 @@ class HindsightOPD:
 
 
 @dataclass(frozen=True)
+class HindsightDistillation:
+    """Directive signal, whole distributions: at every position of the response the policy
+    moves toward the hinted teacher's next-token distribution, ``KL(teacher || student)``.
+
+    :class:`HindsightOPD` scores only the tokens the student sampled: where the student wrote
+    ``Paris`` and the hint says Lisbon it pushes ``Paris`` down, but says nothing about where the
+    mass should go. The full distribution names ``Lisbon`` at that position, so one corrected
+    action teaches the right value, not just that the sampled one was wrong. Positions are the
+    student's own (on-policy, as in GKD); only samples with a hint contribute.
+    """
+
+    needs_distributions = True
+
+    def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        hinted = batch.has_hint
+        if batch.teacher_dist is None or batch.student_dist is None or hinted is None or not bool(hinted.any()):
+            return _zero_loss(batch.logp), {"loss": 0.0, "opd_loss": 0.0, **_EMPTY_STATS}
+        mask = batch.mask * hinted.to(batch.mask.dtype)[:, None]  # [B, T]
+        teacher = batch.teacher_dist  # [B, T, V]
+        kl = (teacher.exp() * (teacher - batch.student_dist)).sum(-1)  # [B, T]
+        kl = torch.where(mask > 0, kl, torch.zeros_like(kl))  # [B, T]: padding rows hold anything
+        loss = _token_mean(kl, mask)  # []
+        with torch.no_grad():
+            agree = (teacher.argmax(-1) == batch.student_dist.argmax(-1)).to(mask.dtype)  # [B, T]
+            stats = {"ratio_mean": 1.0, "clip_frac": 0.0, "adv_mean": float(_token_mean(agree, mask)),
+                     "tokens": float(mask.sum())}  # adv_mean here: share of positions where both pick the same token
+        value = float(loss.detach())
+        return loss, {"loss": value, "opd_loss": value, **stats}
+
+
+@dataclass(frozen=True)
 class Combined:
     """``rl_weight * rl + opd_weight * opd (+ kl_weight * k3 KL to the base model)``; the default."""
 
     rl: BinaryRL
-    opd: HindsightOPD
+    opd: HindsightOPD | HindsightDistillation
     rl_weight: float = 1.0
     opd_weight: float = 1.0
     kl_weight: float = 0.0
@@ -193,6 +227,10 @@ class Combined:
     def __post_init__(self) -> None:
         if min(self.rl_weight, self.opd_weight, self.kl_weight) < 0.0:
             raise ValueError("rl_weight, opd_weight and kl_weight must be >= 0")
+
+    @property
+    def needs_distributions(self) -> bool:
+        return getattr(self.opd, "needs_distributions", False)
 
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if self.kl_weight > 0.0 and batch.ref_logp is None:
@@ -221,6 +259,12 @@ _BUILDERS: dict[str, Callable[..., Objective]] = {
 }
 
 
+_HINDSIGHT: dict[str, Callable[..., HindsightOPD | HindsightDistillation]] = {
+    "token": HindsightOPD,
+    "distribution": lambda **_: HindsightDistillation(),
+}
+
+
 def build_objective(
     kind: str,
     *,
@@ -230,8 +274,12 @@ def build_objective(
     rl_weight: float = 1.0,
     opd_weight: float = 1.0,
     kl_weight: float = 0.0,
+    hindsight: str = "distribution",
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
+
+    ``hindsight``: how hints teach: ``distribution`` (:class:`HindsightDistillation`, the whole
+    next-token distribution) or ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage).
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused
@@ -241,8 +289,10 @@ def build_objective(
         raise ValueError(f"unknown objective {kind!r}; valid: {', '.join(sorted(_BUILDERS))}")
     if kl_weight > 0.0 and kind != "combined":
         raise ValueError(f"kl_weight applies to objective 'combined' only, not {kind!r}")
+    if hindsight not in _HINDSIGHT:
+        raise ValueError(f"unknown hindsight form {hindsight!r}; valid: {', '.join(sorted(_HINDSIGHT))}")
     rl = BinaryRL(clip_low=clip_low, clip_high=clip_high)
-    opd = HindsightOPD(clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip)
+    opd = _HINDSIGHT[hindsight](clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip)
     weights = {"rl_weight": rl_weight, "opd_weight": opd_weight, "kl_weight": kl_weight}
     return _BUILDERS[kind](rl, opd, **weights)
 

@@ -25,7 +25,9 @@ from whet.memory.tables import Judgment, TurnCreate
 from tinytrain import memorize
 
 SYSTEM = {"role": "system", "content": "You are whet."}
-LORA = LoraConfig(rank=4, alpha=8, learning_rate=5e-3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+# float32: these tests compare log-probs with the serving side's to 1e-5 (bfloat16 is checked on its own)
+LORA = LoraConfig(rank=4, alpha=8, learning_rate=5e-3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                  precision="float32")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +105,19 @@ def test_the_adapter_round_trips_through_save_and_load(tiny_model, tmp_path):
     again.reset(None)  # back to the base weights
     with torch.no_grad():
         assert not torch.allclose(again.response_logprobs(prompt, response), trainer.response_logprobs(prompt, response))
+
+
+def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_layers_train_alone(tiny_model):
+    full = new_trainer(tiny_model)
+    fast = LoraTrainer.load(tiny_model, LORA.model_copy(update={"precision": "bfloat16", "layers": 1}), build_objective("combined"),
+                            device="cpu")  # fmt: skip
+    _, prompt, response = encode_turn(full, "What time is it?", "It is nine.")
+    with torch.no_grad():
+        assert torch.allclose(fast.response_logprobs(prompt, response), full.response_logprobs(prompt, response),
+                              atol=0.05)  # fmt: skip
+    assert fast.bf16 and not full.bf16
+    trained = {n.split(".layers.")[1].split(".")[0] for n, p in fast.model.named_parameters() if p.requires_grad}
+    assert trained == {str(fast.model.config.num_hidden_layers - 1)}  # only the top layer has an adapter
 
 
 def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_model, tmp_path):

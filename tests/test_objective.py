@@ -10,6 +10,7 @@ import torch
 from whet.learner.objective import (
     BinaryRL,
     Combined,
+    HindsightDistillation,
     HindsightOPD,
     RunningBaseline,
     TokenBatch,
@@ -214,9 +215,34 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
 def test_build_objective_turns_each_kind_into_its_class():
     assert isinstance(build_objective("rl", clip_high=0.3), BinaryRL)
     assert build_objective("rl", clip_high=0.3).clip_high == 0.3
-    assert build_objective("opd", advantage_clip=2.0) == HindsightOPD(advantage_clip=2.0)
-    combined = build_objective("combined", rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
+    assert build_objective("opd", advantage_clip=2.0, hindsight="token") == HindsightOPD(advantage_clip=2.0)
+    assert build_objective("opd") == HindsightDistillation()  # whole distributions by default
+    combined = build_objective("combined", rl_weight=0.5, opd_weight=2.0, kl_weight=0.01, hindsight="token")
     assert combined == Combined(BinaryRL(), HindsightOPD(), rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
+    assert build_objective("combined").needs_distributions and not combined.needs_distributions
+    with pytest.raises(ValueError, match="'sampled'.*distribution, token"):
+        build_objective("opd", hindsight="sampled")
+
+
+def test_hindsight_distillation_moves_the_student_toward_the_teachers_distribution_on_hinted_samples_only():
+    # two samples, two positions, a vocabulary of three; the teacher wants token 2 where the student wants 0
+    student_logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]], [[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]],
+                                  requires_grad=True)  # [B, T, V]
+    teacher = torch.log_softmax(torch.tensor([[[0.0, 0.0, 4.0]] * 2] * 2), dim=-1)  # [B, T, V]
+    student = torch.log_softmax(student_logits, dim=-1)
+    batch = TokenBatch(logp=student[..., 0], old_logp=torch.zeros(2, 2), mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+                       scores=torch.zeros(2), baseline=0.0, has_hint=torch.tensor([True, False]),
+                       student_dist=student, teacher_dist=teacher)  # fmt: skip
+    loss, stats = HindsightDistillation().loss(batch)
+    loss.backward()
+    grad = student_logits.grad
+    assert float(loss.detach()) > 0 and stats["tokens"] == 2.0
+    assert grad[0, 0, 2] < 0 and grad[0, 0, 0] > 0  # descending the loss raises token 2, lowers token 0
+    assert torch.all(grad[1] == 0)  # no hint: nothing to learn
+    at_teacher = TokenBatch(logp=teacher[..., 0], old_logp=torch.zeros(2, 2), mask=torch.ones(2, 2),
+                            scores=torch.zeros(2), baseline=0.0, has_hint=torch.tensor([True, True]),
+                            student_dist=teacher.clone(), teacher_dist=teacher)  # fmt: skip
+    assert float(HindsightDistillation().loss(at_teacher)[0]) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_build_objective_rejects_unknown_kinds_naming_the_valid_ones():
