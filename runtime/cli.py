@@ -105,12 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--every", type=_positive, help="measure held-out success every K interactions (default 8)")
     learning.add_argument("--heldout", type=_positive, help="held-out personal tasks per measurement (default 24)")
     learning.add_argument("--general", type=_positive, help="general tasks, before and after (default 16)")
+    learning.add_argument("--chat", type=_positive, help="chat-probe requests (no tool needed), before and after (default 12)")
+    learning.add_argument("--lora-lr", type=float, help="the learner's LoRA learning rate in the arms (default 1e-3)")
     learning.add_argument("--model", help="HF model id or local folder (default: the config's model.id)")
     learning.add_argument("--arms", type=_arms, default="static,memory,lora,memory_lora",
                           help="comma-separated subset of static,memory,lora,memory_lora")  # fmt: skip
     learning.add_argument("--json", dest="json_path", type=Path, default=Path("bench-learn.json"), help="results file")
     learning.add_argument("--plot", type=Path, default=Path("bench-learn.png"), help="learning curves (PNG)")
-    learning.add_argument("--quick", action="store_true", help="CI scale: 4 interactions, every 2, 3 held-out, 3 general")
+    learning.add_argument("--quick", action="store_true", help="CI scale: 4 interactions, every 2, 3 held-out, 3 general, 2 chat")
     learning.set_defaults(run=_bench_learn)
     return parser
 

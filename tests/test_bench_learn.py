@@ -37,7 +37,7 @@ from whet.world.bench import (
 
 
 def make_plan(tmp_path: Path, **overrides: Any) -> Plan:
-    fields = {"profile": None, "seed": 3, "interactions": 6, "every": 4, "heldout": 2, "general": 2, "arms": ARMS,
+    fields = {"profile": None, "seed": 3, "interactions": 6, "every": 4, "heldout": 2, "general": 2, "chat": 2, "arms": ARMS,
               "model": "smollm2", "json_path": tmp_path / "b.json", "plot_path": tmp_path / "b.png"}  # fmt: skip
     return Plan(**{**fields, **overrides})
 
@@ -90,7 +90,7 @@ class FakeServer:
         return "right" if self.replies >= self.needed else "wrong"
 
     def tool_calls(self, session: str) -> list[Any]:
-        return []
+        return ["a call"] if self.sessions[session][0][1].get("chat") == "tool" else []
 
     def health(self) -> dict[str, Any]:
         busy, self.busy = self.busy, False
@@ -101,26 +101,48 @@ class FakeServer:
 
 def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_replies_to_evaluations(tmp_path):
     plan = make_plan(tmp_path)
-    tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0"), FakeTask("h1")], [FakeTask("g0"), FakeTask("g1")])
+    tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0"), FakeTask("h1")], [FakeTask("g0"), FakeTask("g1")],
+                  ["Hi!", "Tell me a joke."])  # fmt: skip
     server, steps = FakeServer(needed=3), []
     result = run_arm("memory", server, tasks, FakeUser(), plan, settle_s=0, advance=steps.append)
     assert result.curve == [{"interactions": 0, "success": 0.0}, {"interactions": 4, "success": 1.0},
                             {"interactions": 6, "success": 1.0}]  # fmt: skip
     assert (result.general_before, result.general_after) == (0.0, 1.0)
+    assert (result.chat_before, result.chat_after) == (1.0, 1.0)  # answered in words, no tool call
     assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 8, "global-0001")
-    assert sum(steps) == plan.units_per_arm() == 6 + 2 * 3 + 2 * 2
+    assert sum(steps) == plan.units_per_arm("memory") == 6 + 2 * 3 + 2 * 2 + 2 * 2
     trained = [s for s in server.sessions.values() if len(s) >= 2]
     evaluated = [s for s in server.sessions.values() if len(s) == 1]
     # corrected, the user reads the retry and replies again (two replies at most); served right, one
     assert [[n for n, _ in s] for s in trained] == [[1, 3, 5]] * 2 + [[1, 3]] * 4
-    assert len(evaluated) == 2 * 3 + 2 * 2
+    assert len(evaluated) == 2 * 3 + 2 * 2 + 2 * 2
     assert all(n == 1 and params == {"temperature": 0} for (n, params), in evaluated)
+
+
+def test_an_arm_without_a_learner_skips_its_interactions_and_is_measured_at_the_start_and_the_end(tmp_path):
+    plan = make_plan(tmp_path)
+    tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0")], [FakeTask("g0")], ["Hi!"])
+    server, steps = FakeServer(needed=0), []
+    result = run_arm("static", server, tasks, FakeUser(), plan, settle_s=0, advance=steps.append)
+    assert result.curve == [{"interactions": 0, "success": 1.0}, {"interactions": 6, "success": 1.0}]
+    assert server.replies == 0 and all(len(s) == 1 for s in server.sessions.values())
+    assert sum(steps) == plan.units_per_arm("static")
+
+
+def test_the_chat_probe_counts_an_answer_that_called_a_tool_as_a_miss():
+    from whet.world.bench import chat_rate
+
+    server = FakeServer(needed=0)
+    original = server.chat
+    server.chat = lambda session, messages, **params: original(session, messages, chat="tool", **params)
+    assert chat_rate(server, ["Hi!", "Tell me a joke."], lambda n: None) == 0.0
 
 
 def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
     plan = make_plan(tmp_path, arms=("static", "memory_lora"))
     curve = [{"interactions": 0, "success": 0.5}, {"interactions": 4, "success": 0.75}, {"interactions": 6, "success": 1.0}]
-    results = [ArmResult("static", curve[:1] * 3, 0.5, 0.5), ArmResult("memory_lora", curve, 0.5, 0.5, 2, 5, "global-0002")]
+    results = [ArmResult("static", curve[:1] * 3, 0.5, 0.5), ArmResult("memory_lora", curve, 0.5, 0.5, 1.0, 0.75, 2, 5,
+                                                                        "global-0002")]  # fmt: skip
     report = build_report(plan, "default", results, wall_s=12.3)
     assert {"profile", "seed", "interactions", "every", "base_success", "general_before", "general_after", "command",
             "machine", "wall_s", "arms"} <= set(report)  # fmt: skip
@@ -130,8 +152,10 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
     headline = report["arms"]["memory_lora"]
     assert headline["interactions_to_0_9"] == 6 and headline["final_success"] == 1.0
     assert report["arms"]["static"]["interactions_to_0_9"] is None
-    assert {"curve", "final_success", "interactions_to_0_9", "general_before", "general_after", "adapters_promoted",
-            "lessons"} <= set(headline)  # fmt: skip
+    assert {"curve", "final_success", "interactions_to_0_9", "general_before", "general_after", "chat_before",
+            "chat_after", "adapters_promoted", "lessons"} <= set(headline)  # fmt: skip
+    assert (report["chat_before"], report["chat_after"]) == (1.0, 0.75)
+    assert report["learner"]["lora"]["learning_rate"] == plan.lora_lr
     json.dumps(report)
     plot(report, plan.plot_path)
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

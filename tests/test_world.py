@@ -159,9 +159,12 @@ def test_training_conversations_use_the_servers_real_output_and_the_learners_les
     from whet.learner.prompt import LESSONS_HEADER
     from whet.world.conversations import examples
 
-    batch = list(examples(200, seed=0))
+    batch = list(examples(200, seed=0, chats=[("Tell me a joke.", "Why did the chicken cross the road?")]))
     kinds = {e.kind for e in batch}
-    assert kinds == {"general", "guess", "lesson", "hint", "correction", "thanks"}
+    assert kinds == {"general", "guess", "lesson", "hint", "correction", "thanks", "chat"}
+    chat = next(e for e in batch if e.kind == "chat")
+    assert chat.messages[-1] == {"role": "assistant", "content": "Why did the chicken cross the road?"}
+    assert "chat" not in {e.kind for e in examples(40, seed=0)}  # no chats given, none drawn
     lesson = next(e for e in batch if e.kind == "lesson")
     assert LESSONS_HEADER.strip() in lesson.messages[0]["content"]
     hint = next(e for e in batch if e.kind == "hint")
@@ -169,3 +172,52 @@ def test_training_conversations_use_the_servers_real_output_and_the_learners_les
     tool = next(m for e in batch for m in e.messages if m["role"] == "tool")
     assert json.loads(tool["content"])  # the server's structured output, as the pool renders it
     assert [e.messages for e in examples(5, seed=1)] == [e.messages for e in examples(5, seed=1)]
+
+
+def test_training_values_are_far_wider_than_what_the_simulated_users_say():
+    from whet.servers.clock import resolve_timezone
+    from whet.world.conversations import training_vocabulary
+    from whet.world.tasks import NATURAL
+
+    wide = training_vocabulary()
+    assert len(wide.cities) > 10 * len(NATURAL.cities) and len(wide.lists) > 2 * len(NATURAL.lists)
+    for city in wide.cities[::25]:
+        resolve_timezone(city)  # every one is a city the clock knows
+
+
+def test_the_chat_probe_asks_nothing_the_warm_start_trained_on():
+    from whet.world.conversations import CHAT_PROMPTS
+    from whet.world.tasks import CHAT_PROBE
+
+    assert len(CHAT_PROBE) >= 12 and not set(CHAT_PROBE) & set(CHAT_PROMPTS)
+
+
+def test_a_user_who_gives_wrong_feedback_ignores_what_was_right():
+    from dataclasses import replace
+
+    noisy = replace(PROFILE, wrong_feedback_rate=1.0)
+    task = next(t for t in World(noisy, 0).heldout_tasks(5) if t.intent == "time_home")
+    user = SimulatedUser(noisy, seed=0)
+    right = [user.reply(task, "It is 10:15 on Friday in Lisbon.") for _ in range(40)]
+    corrections = [r for r in right if r.startswith("No, I meant")]
+    assert corrections and any(_score(r, task.text) == 1 for r in right)  # thanks and corrections, at random
+    assert all("Lisbon" not in r for r in corrections)  # a correction names some other city
+    assert load_profile(Path(__file__).parents[1] / "config" / "profiles" / "noisy.yaml").wrong_feedback_rate == 1.0
+
+
+def test_a_tool_error_is_an_ordinary_result_for_the_in_process_servers(tmp_path):
+    from whet.world.conversations import BundledTools
+
+    tools = BundledTools(tmp_path)
+    try:
+        assert tools.call(ToolUse("now", {"timezone": "now"})).startswith("error: ")
+        assert tools.call(ToolUse("teleport", {})).startswith("error: unknown tool 'teleport'")
+    finally:
+        tools.close()
+
+
+def test_the_shipped_regression_set_is_what_the_world_generates():
+    from whet.world.regression import records
+
+    shipped = (Path(__file__).parents[1] / "config" / "regression.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in shipped] == list(records())

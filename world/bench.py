@@ -61,8 +61,8 @@ LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 8, "batch_timeout_s": 1, "pol
 # A few dozen interactions give about a dozen optimizer steps: the LoRA learning rate is raised
 # from the default (tuned for billion-parameter models) to one that moves the demo policy.
 LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 1e-3}
-DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16}
-QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3}  # CI scale
+DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16, "chat": 12}
+QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3, "chat": 2}  # CI scale
 THRESHOLD = 0.9
 REPLIES = 2  # the user's replies in one interaction: to the answer, and to the retry after a correction
 START_TIMEOUT_S = 300.0  # model load and MCP servers starting
@@ -114,11 +114,13 @@ class Plan:
     every: int
     heldout: int
     general: int
+    chat: int
     arms: tuple[str, ...]
     model: str
     json_path: Path
     plot_path: Path
     config_path: Path | None = None
+    lora_lr: float = LORA_OVERRIDES["learning_rate"]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, config: WhetConfig) -> Plan:
@@ -127,7 +129,8 @@ class Plan:
         scale.update({key: getattr(args, key) for key in scale if getattr(args, key) is not None})
         return cls(
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
-            json_path=args.json_path, plot_path=args.plot, config_path=args.config, **scale,
+            json_path=args.json_path, plot_path=args.plot, config_path=args.config,
+            lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"], **scale,
         )  # fmt: skip
 
     def checkpoints(self) -> list[int]:
@@ -142,13 +145,15 @@ class Plan:
         if self.profile is not None:
             argv += ["--profile", str(self.profile)]
         argv += ["--seed", str(self.seed), "--interactions", str(self.interactions), "--every", str(self.every),
-                 "--heldout", str(self.heldout), "--general", str(self.general), "--model", self.model,
-                 "--arms", ",".join(self.arms)]  # fmt: skip
+                 "--heldout", str(self.heldout), "--general", str(self.general), "--chat", str(self.chat),
+                 "--lora-lr", f"{self.lora_lr:g}", "--model", self.model, "--arms", ",".join(self.arms)]  # fmt: skip
         return shlex.join(argv)
 
-    def units_per_arm(self) -> int:
+    def units_per_arm(self, arm: str) -> int:
         """Progress units of one arm: each interaction and each evaluated task."""
-        return self.interactions + self.heldout * len(self.checkpoints()) + 2 * self.general
+        if not ARM_LEARNING[arm][0]:  # nothing can change it: measured at the start and the end only
+            return self.heldout * 2 + 2 * (self.general + self.chat)
+        return self.interactions + self.heldout * len(self.checkpoints()) + 2 * (self.general + self.chat)
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,7 @@ class Tasks:
     training: list[Any]
     heldout: list[Any]
     general: list[Any]
+    chat: list[str]  # requests no tool answers (the chat probe)
 
 
 @dataclass
@@ -166,6 +172,8 @@ class ArmResult:
     curve: list[dict[str, float]] = field(default_factory=list)
     general_before: float = 0.0
     general_after: float = 0.0
+    chat_before: float = 0.0  # share of the chat probe answered without a tool call
+    chat_after: float = 0.0
     adapters_promoted: int = 0
     lessons: int = 0
     adapter: str | None = None  # the version serving at the end (None = base weights)
@@ -182,6 +190,8 @@ class ArmResult:
             "interactions_to_0_9": interactions_to(self.curve, THRESHOLD),
             "general_before": self.general_before,
             "general_after": self.general_after,
+            "chat_before": self.chat_before,
+            "chat_after": self.chat_after,
             "adapters_promoted": self.adapters_promoted,
             "lessons": self.lessons,
             "adapter": self.adapter,
@@ -201,21 +211,29 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
             settle_s: float, advance: Callable[[int], None]) -> ArmResult:  # fmt: skip
     """Drive one arm's server: measure, then interact and measure at every checkpoint.
 
-    ``settle_s``: how long to wait after the learner is idle, for the server to take in what
-    it published (lessons into the index, adapters loaded). ``advance(n)``: progress."""
+    An arm without a learner cannot change (nothing it is told is kept), so its interactions
+    are skipped and it is measured at the start and after N only: the same numbers, an arm's
+    worth of time saved. ``settle_s``: how long to wait after the learner is idle, for the
+    server to take in what it published (lessons into the index, adapters loaded).
+    ``advance(n)``: progress."""
     started = time.perf_counter()
     result = ArmResult(name)
+    learns = ARM_LEARNING[name][0]
     checkpoints = set(plan.checkpoints())
     wait_idle(client, settle_s)
     result.general_before = success_rate(client, tasks.general, advance)
+    result.chat_before = chat_rate(client, tasks.chat, advance)
     result.curve.append({"interactions": 0, "success": success_rate(client, tasks.heldout, advance)})
-    for i, task in enumerate(tasks.training[: plan.interactions], start=1):
+    for i, task in enumerate(tasks.training[: plan.interactions] if learns else [], start=1):
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
         advance(1)
         if i in checkpoints:
             wait_idle(client, settle_s)
             result.curve.append({"interactions": i, "success": success_rate(client, tasks.heldout, advance)})
+    if not learns:
+        result.curve.append({"interactions": plan.interactions, "success": success_rate(client, tasks.heldout, advance)})
     result.general_after = success_rate(client, tasks.general, advance)
+    result.chat_after = chat_rate(client, tasks.chat, advance)
     health = client.health()
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
@@ -250,6 +268,17 @@ def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[in
         done += bool(task.check(client.tool_calls(session), answer))
         advance(1)
     return done / len(tasks)
+
+
+def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int], None]) -> float:
+    """Share of ``requests`` (none needs a tool) answered in words without calling a tool."""
+    done = 0
+    for request in requests:
+        session = f"eval-{uuid.uuid4().hex[:12]}"
+        answer = client.chat(session, [{"role": "user", "content": request}], temperature=0)
+        done += bool(answer.strip()) and not client.tool_calls(session)
+        advance(1)
+    return done / len(requests) if requests else 1.0
 
 
 def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S) -> None:
@@ -307,7 +336,8 @@ def _arguments(raw: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int) -> dict[str, Any]:
+def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int,
+               lora_lr: float = LORA_OVERRIDES["learning_rate"]) -> dict[str, Any]:  # fmt: skip
     """The config one arm's server runs with: the base config, a private SQLite store and
     in-process bus in ``data_dir``, auth off (the bench names its user), and the arm's learner."""
     enabled, train, lessons = ARM_LEARNING[arm]
@@ -318,7 +348,7 @@ def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int
     data["store"]["url"] = None
     data["bus"]["url"] = None
     data["learner"].update(enabled=enabled, train=train, lessons=lessons, **LEARNER_OVERRIDES)
-    data["learner"]["lora"].update(LORA_OVERRIDES)
+    data["learner"]["lora"].update(LORA_OVERRIDES, learning_rate=lora_lr)
     return data
 
 
@@ -393,7 +423,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     :func:`base_model`); ``whet`` is the command line that runs the ``whet`` CLI (see :func:`served`).
     The CLI passes both, so that this package never imports the runtime.
     """
-    from whet.world.tasks import World, load_profile
+    from whet.world.tasks import CHAT_PROBE, World, load_profile
     from whet.world.user import SimulatedUser
 
     try:
@@ -402,7 +432,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         raise ConfigError("--profile", str(exc), "pass a valid profile file, or leave --profile out for the default") from None
     world = World(profile, plan.seed)
     tasks = Tasks(world.training_tasks(plan.interactions), world.heldout_tasks(plan.heldout),
-                  world.general_tasks(plan.general))  # fmt: skip
+                  world.general_tasks(plan.general), list(CHAT_PROBE[: plan.chat]))  # fmt: skip
     console = Console(stderr=True)
     with console.status(f"preparing the base model {plan.model}"):
         model = base_model(plan.model, config, prepare_model)
@@ -411,10 +441,10 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept when an arm fails: its log is named there
     with _progress(console) as progress:
         for arm in plan.arms:
-            bar = progress.add_task(arm, total=plan.units_per_arm())
+            bar = progress.add_task(arm, total=plan.units_per_arm(arm))
             arm_dir = scratch / arm
             arm_dir.mkdir()
-            settings = arm_config(config, arm, arm_dir / "data", model, free_port())
+            settings = arm_config(config, arm, arm_dir / "data", model, free_port(), plan.lora_lr)
             with served(settings, arm_dir, whet) as base, httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
                 client = HttpArmClient(http, profile.user)
                 results.append(run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
@@ -461,10 +491,12 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "base_success": fmean(r.curve[0]["success"] for r in results),
         "general_before": headline.general_before,
         "general_after": headline.general_after,
+        "chat_before": headline.chat_before,
+        "chat_after": headline.chat_after,
         "command": plan.command(),
         "machine": _machine(),
         "wall_s": round(wall_s, 1),
-        "learner": {**LEARNER_OVERRIDES, "lora": LORA_OVERRIDES},
+        "learner": {**LEARNER_OVERRIDES, "lora": {**LORA_OVERRIDES, "learning_rate": plan.lora_lr}},
         "arms": arms,
     }
 
@@ -507,13 +539,15 @@ def _progress(console: Console) -> Progress:
 
 def _print_table(report: dict[str, Any], plan: Plan) -> None:
     table = Table(title=f"held-out success, profile {report['profile']}, seed {report['seed']}")
-    for column in ("arm", "base", "final", "interactions\nto 0.9", "general", "adapters\npromoted", "lessons"):
+    for column in ("arm", "base", "final", "interactions\nto 0.9", "general", "chat\n(no tool)", "adapters\npromoted",
+                   "lessons"):
         table.add_column(column, no_wrap=True)
     for arm, r in report["arms"].items():
         reached = r["interactions_to_0_9"]
         table.add_row(arm, f"{r['curve'][0]['success']:.2f}", f"{r['final_success']:.2f}",
                       "-" if reached is None else str(reached),
                       f"{r['general_before']:.2f}→{r['general_after']:.2f}",
+                      f"{r['chat_before']:.2f}→{r['chat_after']:.2f}",
                       str(r["adapters_promoted"]), str(r["lessons"]))  # fmt: skip
     console = Console()
     console.print(table)

@@ -111,6 +111,7 @@ class Profile:
     reminders_list: str
     requery_rate: float = 0.15
     thanks_rate: float = 0.7
+    wrong_feedback_rate: float = 0.0  # share of replies that ignore what was right (random thanks or corrections)
     description: str = ""
 
 
@@ -158,7 +159,7 @@ def parse_profile(data: Any, where: str = "profile") -> Profile:
         _unit_or_error(str(data[key]), dimension, f"{where}: {key}")
     behaviour = data.get("behaviour") or {}
     rates = {}
-    for key in ("requery_rate", "thanks_rate"):
+    for key in ("requery_rate", "thanks_rate", "wrong_feedback_rate"):
         if key in behaviour:
             value = behaviour[key]
             if not isinstance(value, int | float) or not 0 <= value <= 1:
@@ -355,6 +356,16 @@ PHRASINGS: dict[str, tuple[str, ...]] = {
         "Add {days} days to {date}.",
     ),
 }
+# Requests no tool answers, for the bench's chat probe: general skill includes answering these
+# without calling a tool. None of them is in the warm start's training chats
+# (whet.world.conversations.CHAT_PROMPTS), so the probe measures chat the model was not trained on.
+CHAT_PROBE = (
+    "What's your favourite colour?", "Can you write a limerick about a cat?", "How do I tie a tie?",
+    "What is the tallest mountain in the world?", "Give me three ideas for a rainy day.",
+    "What's the difference between a virus and bacteria?", "Write a two-line poem about the sun.",
+    "How are you today?", "Recommend a movie for tonight.", "What does 'carpe diem' mean?",
+    "Tell me something interesting about space.", "How can I be more productive?",
+)
 PERSONAL = ("time_home", "time_person", "distance", "temperature", "reminder")
 GENERAL = ("time_city", "calculate", "convert", "add_todo", "add_note", "weekday", "days_between", "add_days")
 _OPS = (("times", "*"), ("plus", "+"), ("minus", "-"), ("*", "*"), ("+", "+"))

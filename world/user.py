@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from whet.world.tasks import Profile, Task
+from whet.world.tasks import CITIES, DISTANCE_UNITS, LISTS, TEMPERATURE_UNITS, Profile, Task
 
 THANKS = ("Thanks!", "Great, thanks.", "Perfect, thank you.", "Thank you!", "That's right, thanks.")
 MOVING_ON = ("Ok.", "Got it.", "Good to know.", "Alright.")
@@ -31,6 +31,8 @@ class SimulatedUser:
 
     def reply(self, task: Task, answer: str) -> str:
         """The user's next message after ``answer`` to ``task``."""
+        if self.profile.wrong_feedback_rate > 0 and self.rng.random() < self.profile.wrong_feedback_rate:
+            return self.wrong_feedback(task)
         roll = self.rng.random()
         if self.satisfied(task, answer):
             return self.rng.choice(THANKS if roll < self.profile.thanks_rate else MOVING_ON)
@@ -39,3 +41,17 @@ class SimulatedUser:
         if task.correction:
             return task.correction
         return self.rng.choice(GENERAL_CORRECTION)
+
+    def wrong_feedback(self, task: Task) -> str:
+        """Feedback that ignores what was right: thanks, or a correction that names another value."""
+        if self.rng.random() < 0.5:
+            return self.rng.choice(THANKS)
+        if not task.correction or not task.preference:
+            return self.rng.choice(GENERAL_CORRECTION)
+        pool = [v for v in _VALUES[task.intent] if v.casefold() != task.preference.casefold()]
+        return task.correction.replace(task.preference, self.rng.choice(pool))
+
+
+# where a wrong correction takes its value from, by personal intent
+_VALUES = {"time_home": CITIES, "time_person": CITIES, "distance": DISTANCE_UNITS,
+           "temperature": TEMPERATURE_UNITS, "reminder": LISTS}  # fmt: skip
