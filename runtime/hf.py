@@ -40,6 +40,7 @@ from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quie
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
+from whet.runtime.prefix import PrefixCache
 
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
 _DONE = object()
@@ -139,6 +140,7 @@ class TransformersBackend:
         self._adapters: set[str] = set()
         self._in_use: Counter[str] = Counter()
         self._in_use_cond = threading.Condition()
+        self.prefixes = PrefixCache()
 
     # -- prompt ---------------------------------------------------------------
 
@@ -241,7 +243,10 @@ class TransformersBackend:
         cancel: threading.Event,
     ) -> tuple[list[int], list[float], str, str]:
         """Sample up to ``budget`` tokens, emitting text as it becomes final; returns ids, log-probs,
-        finish reason and the text emitted so far."""
+        finish reason and the text emitted so far.
+
+        The prompt's start may come from the prefix cache (an earlier step or request on the same
+        adapter); what this request computed goes back into it when it ends."""
         generator = torch.Generator(device=self.device)
         if params.seed is None:
             generator.seed()
@@ -251,28 +256,36 @@ class TransformersBackend:
         logprobs: list[float] = []
         sent = ""
         hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may start a stop string
-        cache = None
-        inputs = torch.tensor([prompt], device=self.device)  # [1, P]
+        adapter = (getattr(self._local, "adapter_names", None) or [BASE])[0]
+        finish = "length"
         with torch.inference_mode():
-            while len(token_ids) < budget and not cancel.is_set():
-                with self._lock.read():
-                    out = self.model(inputs, past_key_values=cache, use_cache=True, **self._last_only)
-                cache = out.past_key_values
-                logits = out.logits[0, -1]  # [V]
-                token, logprob = sample_token(logits, params.temperature, params.top_p, generator)
-                token_ids.append(token)
-                logprobs.append(logprob)
-                if token in self.stop_token_ids:
-                    return token_ids, logprobs, "stop", sent
-                text, stopped = self._decode(token_ids, params.stop)
-                if stopped:
-                    return token_ids, logprobs, "stop", sent
-                visible = text[: len(text) - hold]
-                if not visible.endswith("\ufffd") and visible.startswith(sent) and len(visible) > len(sent):
-                    emit(visible[len(sent):])
-                    sent = visible
-                inputs = torch.tensor([[token]], device=self.device)  # [1, 1]
-        return token_ids, logprobs, "length", sent
+            cache, reused = self.prefixes.take(adapter, prompt)
+            inputs = torch.tensor([prompt[reused:]], device=self.device)  # [1, P - reused]
+            try:
+                while len(token_ids) < budget and not cancel.is_set():
+                    with self._lock.read():
+                        out = self.model(inputs, past_key_values=cache, use_cache=True, **self._last_only)
+                    cache = out.past_key_values
+                    logits = out.logits[0, -1]  # [V]
+                    token, logprob = sample_token(logits, params.temperature, params.top_p, generator)
+                    token_ids.append(token)
+                    logprobs.append(logprob)
+                    if token in self.stop_token_ids:
+                        finish = "stop"
+                        break
+                    text, stopped = self._decode(token_ids, params.stop)
+                    if stopped:
+                        finish = "stop"
+                        break
+                    visible = text[: len(text) - hold]
+                    if not visible.endswith("\ufffd") and visible.startswith(sent) and len(visible) > len(sent):
+                        emit(visible[len(sent):])
+                        sent = visible
+                    inputs = torch.tensor([[token]], device=self.device)  # [1, 1]
+            finally:
+                if token_ids:  # the last sampled token was never fed: the cache holds everything before it
+                    self.prefixes.put(adapter, [*prompt, *token_ids[:-1]], cache)
+        return token_ids, logprobs, finish, sent
 
     def _decode(self, token_ids: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
         """The completion text (no end-of-turn token, cut before the first stop string); whether it was cut.
@@ -356,6 +369,7 @@ class TransformersBackend:
                 return
             self._adapters.discard(name)
             self._in_use_cond.wait_for(lambda: self._in_use[name] == 0)
+        self.prefixes.drop(name)
         with self._lock.write(), quiet_peft():
             self._peft.delete_adapter(name)
 

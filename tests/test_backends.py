@@ -165,6 +165,27 @@ async def test_logprobs_are_the_raw_model_distribution_of_each_sampled_token(bac
 
 
 @pytest.mark.anyio
+async def test_an_agents_next_step_reuses_the_cache_of_its_first_and_samples_the_same_tokens(backend):
+    from whet.runtime.prefix import PrefixCache
+
+    params = SamplingParams(max_new_tokens=16, temperature=1.3, seed=3)
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}  # past the cache's minimum length
+    first = await backend.generate([system, *USER], [], params)
+    step = [system, *USER, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    hits, reused = backend.prefixes.hits, backend.prefixes.reused_tokens
+    cached = await backend.generate(step, [], params)
+    assert backend.prefixes.hits == hits + 1
+    assert backend.prefixes.reused_tokens - reused >= len(first.prompt_token_ids)  # the first step is not prefilled again
+    backend.prefixes, saved = PrefixCache(entries=0), backend.prefixes
+    try:
+        fresh = await backend.generate(step, [], params)
+    finally:
+        backend.prefixes = saved
+    assert cached.token_ids == fresh.token_ids
+    assert cached.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+
+
+@pytest.mark.anyio
 async def test_stream_deltas_concatenate_to_the_final_text_and_match_generate(backend):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=11)
     deltas, final = await _collect(backend.stream(USER, [], params))

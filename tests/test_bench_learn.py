@@ -120,7 +120,7 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
 
 
 def test_an_arm_without_a_learner_skips_its_interactions_and_is_measured_at_the_start_and_the_end(tmp_path):
-    plan = make_plan(tmp_path)
+    plan = make_plan(tmp_path, heldout=1, general=1, chat=1)
     tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0")], [FakeTask("g0")], ["Hi!"])
     server, steps = FakeServer(needed=0), []
     result = run_arm("static", server, tasks, FakeUser(), plan, settle_s=0, advance=steps.append)
@@ -283,8 +283,10 @@ def test_bench_learn_quick_runs_end_to_end(tmp_path):
     report = json.loads(out_json.read_text())
     assert (report["interactions"], report["every"], report["seed"]) == (4, 2, 0)
     assert set(report["arms"]) == set(ARMS)
-    for arm in report["arms"].values():
-        assert [p["interactions"] for p in arm["curve"]] == [0, 2, 4]
+    for name, arm in report["arms"].items():
+        # without a learner nothing can change: measured at the start and the end only
+        assert [p["interactions"] for p in arm["curve"]] == ([0, 4] if name == "static" else [0, 2, 4])
+        assert 0.0 <= arm["chat_before"] <= 1.0 and 0.0 <= arm["chat_after"] <= 1.0
         assert all(0.0 <= p["success"] <= 1.0 for p in arm["curve"])
         assert arm["final_success"] == arm["curve"][-1]["success"]
     assert report["arms"]["static"]["lessons"] == 0 and report["arms"]["static"]["adapters_promoted"] == 0

@@ -190,7 +190,8 @@ def test_the_compact_template_lists_tools_one_line_each_before_the_system_text_a
         assert rendered == full
         return
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
-    head = "<|im_start|>system\n# Tools\n- get_weather(city)\nCall a tool as <tool_call>\n"
+    # one line a tool: its arguments, then the first sentence of its description
+    head = "<|im_start|>system\n# Tools\n- get_weather(city): Weather for a city — today\nCall a tool as <tool_call>\n"
     assert rendered.startswith(head) and rendered.count("<|im_end|>") == full.count("<|im_end|>")
     block = rendered[: rendered.index("<|im_end|>\n") + len("<|im_end|>\n")]
     assert block.endswith(f"\n\n{system}<|im_end|>\n" if system else "</tool_call><|im_end|>\n")

@@ -46,11 +46,11 @@ info has the loss when training."""
 class Recipe:
     """What the warm start trains on and how; the defaults fit 15 minutes on 2 CPU cores."""
 
-    conversations: int = 300
+    conversations: int = 420
     chats: int = 72  # requests the base model answers for the chat examples (of CHAT_PROMPTS)
     chat_tokens: int = 56  # longest distilled answer
     batch_size: int = 8
-    learning_rate: float = 6e-5
+    learning_rate: float = 1e-4
     layers: int | None = None  # train only the top N layers (None: all)
     seed: int = 0
 
