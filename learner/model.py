@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -102,21 +102,32 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
 
 def save_folder(model: Any, tokenizer: Any, out_dir: Path) -> Path:
-    """``save_pretrained`` into a sibling temp folder, then rename it into place: a crash or a second
-    process never leaves a half-written model at ``out_dir``."""
-    out_dir = Path(out_dir)
+    """``save_pretrained`` the model and its tokenizer as an ordinary HF folder at ``out_dir`` (staged)."""
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        _drop_quantization(folder / "config.json")
+
+    return staged(Path(out_dir), write)
+
+
+def staged(out_dir: Path, write: Callable[[Path], Any]) -> Path:
+    """Run ``write(folder)`` into a sibling temp folder, then rename it to ``out_dir``: a crash or a
+    second process building at the same time never leaves a half-written model there."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    _drop_quantization(staging / "config.json")
     try:
+        write(staging)
         staging.rename(out_dir)
     except OSError:  # someone else finished first (or an unrelated folder is in the way)
         shutil.rmtree(staging, ignore_errors=True)
         if not (out_dir / "config.json").is_file():
             raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out_dir
 
 

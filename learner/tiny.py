@@ -10,11 +10,10 @@ built on first use into ``<data_dir>/models/tiny`` (:func:`ensure_tiny_model`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from whet.learner.model import ModelLoadError, staged
 from whet.learner.templates import CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -249,20 +248,8 @@ def ensure_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     if (out_dir / "config.json").is_file():
         return out_dir
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        from whet.learner.model import ModelLoadError
-
         problem = f"{out_dir} exists but holds no model (no config.json)"
         raise ModelLoadError(f"{problem}; move it away to rebuild the tiny model")
     if out_dir.is_dir():
         out_dir.rmdir()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(staging, seed=seed)
-    try:
-        staging.rename(out_dir)
-    except OSError:  # someone else finished first (or an unrelated folder is in the way)
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (out_dir / "config.json").is_file():
-            raise
-    return out_dir
+    return staged(out_dir, lambda folder: build_tiny_model(folder, seed=seed))
