@@ -142,8 +142,7 @@ class LoraTrainer:
 
     def response_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
         """log p(response_t | prompt, response_<t) under the current adapter, [T]; grad follows torch's mode."""
-        targets = torch.tensor(list(response_ids), device=self.device)  # [T]
-        return self.response_distributions(prompt_ids, response_ids).gather(-1, targets[:, None])[:, 0]  # [T]
+        return _pick(self.response_distributions(prompt_ids, response_ids), response_ids)  # [T]
 
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The average per-token log-prob of a response: the promotion gate's replay measure."""
