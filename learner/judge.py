@@ -141,6 +141,8 @@ _THIRD_PERSON = {
     "me": "the user", "i": "the user",
 }  # fmt: skip
 REQUERY_SIMILARITY = 0.6  # word-set Jaccard above which a new request repeats the last one
+REQUERY_CONTAINS = 0.8  # ...or the share of the last request's words the reply repeats ("{q} Please answer.")
+REQUERY_HINT = "The user had to ask again: "
 
 
 class RulesJudge:
@@ -198,8 +200,8 @@ class RulesJudge:
         hint = correction_hint(reply)
         if hint is not None:
             return self._verdict(-1, hint, "the user corrected the answer")
-        if _REQUERY.match(reply) or _similarity(reply, last_user_text(context)) >= REQUERY_SIMILARITY:
-            hint = _clip(f"The user had to ask again: {_third_person(_tidy(reply))}")
+        if is_requery(reply, last_user_text(context)):
+            hint = _clip(REQUERY_HINT + _third_person(_tidy(reply)))
             return self._verdict(-1, hint, "the user asked again")
         if _PRAISE.search(reply):
             return self._verdict(1, None, "the user said thanks")
@@ -236,6 +238,15 @@ def _clip(text: str, limit: int = HINT_LIMIT) -> str:
 
 def _call_name(turn: Turn, call_id: str | None) -> str | None:
     return next((c.get("function", {}).get("name") for c in turn.tool_calls if c.get("id") == call_id), None)
+
+
+def is_requery(reply: str, asked: str) -> bool:
+    """Whether ``reply`` asks ``asked`` again: a re-ask marker, nearly the same words, or the whole
+    request repeated inside a longer reply ("Is it late at home? Please answer the question.")."""
+    if _REQUERY.match(reply) or _similarity(reply, asked) >= REQUERY_SIMILARITY:
+        return True
+    words = set(re.findall(r"\w+", asked.lower()))
+    return len(words) >= 3 and len(words & set(re.findall(r"\w+", reply.lower()))) / len(words) >= REQUERY_CONTAINS
 
 
 def _similarity(a: str, b: str) -> float:

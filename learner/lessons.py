@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from whet.learner.judge import Verdict
-from whet.learner.prompt import canonical_arguments, last_user_text
+from whet.learner.judge import REQUERY_HINT, Verdict, correction_hint, is_requery
+from whet.learner.prompt import canonical_arguments, content_text
 from whet.memory.tables import Turn
 
 MAX_CHARS = 300
@@ -25,13 +25,24 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     """
     if not request:
         return None
-    asked = last_user_text(request[0].prompt_messages)
-    if verdict.hint:
+    asked = asked_text(request[0].prompt_messages)
+    if verdict.hint and not verdict.hint.startswith(REQUERY_HINT):  # a re-ask says only "wrong": nothing to reuse
         return lesson_text(asked, hint=verdict.hint), "hint"
     calls = [call["function"] for turn in request for call in turn.tool_calls]
     if verdict.score > 0 and calls:
         return lesson_text(asked, calls=calls), "success"
     return None
+
+
+def asked_text(messages: Sequence[dict[str, Any]]) -> str:
+    """What the user asked for: the last user message that is not a correction or a re-ask of the
+    one before it. After "No, I meant Lisbon time." the request is still "What time is it at home?",
+    and a lesson keyed by the correction would never be retrieved for the next such request."""
+    asks = [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
+    for i in range(len(asks) - 1, 0, -1):
+        if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]):
+            return asks[i]
+    return asks[0] if asks else ""
 
 
 def lesson_text(asked: str, *, hint: str | None = None, calls: Sequence[Mapping[str, Any]] = ()) -> str:

@@ -447,3 +447,29 @@ def test_the_judge_module_imports_neither_the_runtime_nor_fastapi():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_reply_that_repeats_the_whole_request_inside_more_words_is_a_requery():
+    from whet.learner.judge import is_requery
+
+    assert is_requery("Is it late at home? Please answer the question.", "Is it late at home?")
+    assert is_requery("I asked: What time is it for Sam?", "What time is it for Sam?")
+    assert not is_requery("What time is it in Paris?", "What time is it at home?")  # a new request
+    assert not is_requery("Thanks!", "Is it late at home?")
+
+
+def test_a_lesson_is_keyed_by_what_was_asked_not_by_the_correction_and_a_reask_teaches_no_lesson():
+    from types import SimpleNamespace
+
+    from whet.learner.judge import Verdict
+    from whet.learner.lessons import lesson_for
+
+    asked = [{"role": "user", "content": "Is it late at home?"}, {"role": "assistant", "content": "It is 9:00 in Paris."},
+             {"role": "user", "content": "Is it late at home? Please answer the question."},
+             {"role": "assistant", "content": "It is 9:00 in Paris."}, {"role": "user", "content": "No, I meant Lisbon time."}]
+    call = {"function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
+    retry = SimpleNamespace(prompt_messages=asked, tool_calls=[call])
+    text, kind = lesson_for(Verdict(1, None, "the user said thanks", "rules"), [retry])
+    assert (text, kind) == ('When asked "Is it late at home?": calling now({"timezone": "Lisbon"}) was right.', "success")
+    reask = Verdict(-1, "The user had to ask again: Is it late at home", "the user asked again", "rules")
+    assert lesson_for(reask, [SimpleNamespace(prompt_messages=asked[:1], tool_calls=[])]) is None
