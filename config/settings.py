@@ -139,9 +139,10 @@ class ObjectiveConfig(Section):
     clip_high: float = Field(0.28, gt=0.0)
     advantage_clip: float = Field(5.0, gt=0.0)  # per-token OPD advantages are clipped to +-this
     baseline_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    # how a hint teaches: distribution = the hinted teacher's whole next-token distribution at
-    # every response position (KL); token = the sampled tokens' advantage logp_teacher - logp_student
-    hindsight: Literal["distribution", "token"] = "distribution"
+    # how a hint teaches: token = the sampled tokens' advantage logp_teacher - logp_student;
+    # distribution = the hinted teacher's whole next-token distribution at every response position
+    # (KL; experimental: it keeps [batch, tokens, vocabulary] log-probs in memory for the step)
+    hindsight: Literal["token", "distribution"] = "token"
 
 
 class LoraConfig(Section):

@@ -274,12 +274,12 @@ def build_objective(
     rl_weight: float = 1.0,
     opd_weight: float = 1.0,
     kl_weight: float = 0.0,
-    hindsight: str = "distribution",
+    hindsight: str = "token",
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
 
-    ``hindsight``: how hints teach: ``distribution`` (:class:`HindsightDistillation`, the whole
-    next-token distribution) or ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage).
+    ``hindsight``: how hints teach: ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage)
+    or ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution).
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused

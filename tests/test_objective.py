@@ -215,11 +215,11 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
 def test_build_objective_turns_each_kind_into_its_class():
     assert isinstance(build_objective("rl", clip_high=0.3), BinaryRL)
     assert build_objective("rl", clip_high=0.3).clip_high == 0.3
-    assert build_objective("opd", advantage_clip=2.0, hindsight="token") == HindsightOPD(advantage_clip=2.0)
-    assert build_objective("opd") == HindsightDistillation()  # whole distributions by default
-    combined = build_objective("combined", rl_weight=0.5, opd_weight=2.0, kl_weight=0.01, hindsight="token")
+    assert build_objective("opd", advantage_clip=2.0) == HindsightOPD(advantage_clip=2.0)  # sampled tokens by default
+    assert build_objective("opd", hindsight="distribution") == HindsightDistillation()
+    combined = build_objective("combined", rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
     assert combined == Combined(BinaryRL(), HindsightOPD(), rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
-    assert build_objective("combined").needs_distributions and not combined.needs_distributions
+    assert build_objective("combined", hindsight="distribution").needs_distributions and not combined.needs_distributions
     with pytest.raises(ValueError, match="'sampled'.*distribution, token"):
         build_objective("opd", hindsight="sampled")
 
