@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -549,6 +550,6 @@ def _print_table(report: dict[str, Any], plan: Plan) -> None:
                       f"{r['general_before']:.2f}→{r['general_after']:.2f}",
                       f"{r['chat_before']:.2f}→{r['chat_after']:.2f}",
                       str(r["adapters_promoted"]), str(r["lessons"]))  # fmt: skip
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # a log or a pipe gets every column
     console.print(table)
     console.print(f"wrote {plan.json_path} and {plan.plot_path} ({report['wall_s']:.0f}s)")
