@@ -28,7 +28,7 @@ import importlib.util
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def build_default_model(out_dir: Path, *, seed: int = 0, progress: Progress | No
     from whet.learner.templates import COMPACT_CHAT_TEMPLATE
 
     report = progress or (lambda *_: None)
-    recipe = Recipe(**{**recipe.__dict__, "seed": seed})
+    recipe = replace(recipe, seed=seed)
     report("convert", 0, 1, {})
     hf_logging.disable_progress_bar()  # the build shows its own bars
     try:
