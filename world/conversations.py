@@ -130,6 +130,17 @@ _CHAT_TOPICS: dict[str, tuple[str, ...]] = {
 CHAT_PROMPTS = tuple(template.format(topic) for template, topics in _CHAT_TOPICS.items() for topic in topics)
 
 
+# The intents whose requests read alike: what similarity retrieval puts beside a request.
+NEIGHBOURS: dict[str, tuple[str, ...]] = {
+    "time_home": ("time_person", "time_city"), "time_person": ("time_person", "time_home", "time_city"),
+    "time_city": ("time_city", "time_home", "time_person"),
+    "distance": ("convert", "temperature"), "temperature": ("convert", "distance"),
+    "convert": ("convert", "distance", "temperature"),
+    "reminder": ("add_todo", "add_note"), "add_todo": ("add_todo", "reminder", "add_note"),
+    "add_note": ("add_note", "reminder", "add_todo"),
+    "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
+    "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
+}
 KINDS = {"general": 0.4, "guess": 0.05, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.03, "chat": 0.15}
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
 
@@ -241,14 +252,21 @@ class ExampleMaker:
         call = {"name": task.call.name, "arguments": json.dumps(dict(task.call.arguments))}
         return lesson_text(task.text, calls=[call])
 
-    def _distractors(self, n: int, avoid: Task | None) -> list[str]:
+    def _distractors(self, n: int, avoid: Task | None, near: Task | None = None) -> list[str]:
+        """``n`` lessons that do not answer ``avoid``'s request. Beside ``near``, most are of the
+        intents that read like it (:data:`NEIGHBOURS`), as similarity retrieval brings them: a
+        lesson about the time at home beside "What time is it in Cairo?", another person's city
+        beside a question about Sam. The policy learns that the value a request names, or the
+        lesson about *this* request, wins over a lesson that only looks alike."""
         out = []
         while len(out) < n:
-            intent = self.rng.choice(PERSONAL + GENERAL)
+            pool = NEIGHBOURS[near.intent] if near is not None and self.rng.random() < 0.75 else PERSONAL + GENERAL
+            intent = self.rng.choice(pool)
             other = make_task(intent, self.rng, random_profile(self.rng, self.vocab), vocab=self.vocab)
-            if avoid is not None and other.intent == avoid.intent and other.call == avoid.call:
-                continue
-            if other.personal or self.rng.random() < 0.5:
+            if avoid is not None and other.intent == avoid.intent and (
+                    other.call == avoid.call or other.meta.get("person") == avoid.meta.get("person")):
+                continue  # the same request with another value would contradict the lesson that answers it
+            if other.personal or near is not None or self.rng.random() < 0.5:
                 out.append(self._lesson(other))
         return out
 
@@ -266,14 +284,14 @@ class ExampleMaker:
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
         user = task.text
-        if kind == "general" and self.rng.random() < 0.4:
-            lessons = self._distractors(self.rng.randint(1, 3), None)
+        if kind in ("general", "guess") and self.rng.random() < 0.6:
+            lessons = self._distractors(self.rng.randint(1, 3), task if kind == "guess" else None, near=task)
         elif kind == "lesson":
             # the lesson came from an earlier request of the same intent (and person), phrased differently
             same = replace(profile, people={task.meta["person"]: profile.people[task.meta["person"]]}) \
                 if "person" in task.meta else profile
             lesson = self._lesson(make_task(intent, self.rng, same, vocab=self.vocab))
-            lessons = self._distractors(self.rng.randint(0, 3), task)
+            lessons = self._distractors(self.rng.randint(0, 3), task, near=task)
             # retrieval ranks by similarity, so the relevant lesson is usually first
             lessons.insert(0 if self.rng.random() < 0.7 else self.rng.randint(0, len(lessons)), lesson)
         elif kind == "hint":
