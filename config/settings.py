@@ -141,8 +141,9 @@ class ObjectiveConfig(Section):
     baseline_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     # how a hint teaches: token = the sampled tokens' advantage logp_teacher - logp_student;
     # distribution = the hinted teacher's whole next-token distribution at every response position
-    # (KL; experimental: it keeps [batch, tokens, vocabulary] log-probs in memory for the step)
-    hindsight: Literal["token", "distribution"] = "token"
+    # (KL; experimental: it keeps [batch, tokens, vocabulary] log-probs in memory for the step);
+    # action = the hinted teacher writes the action and the policy without the hint learns it
+    hindsight: Literal["token", "distribution", "action"] = "token"
 
 
 class LoraConfig(Section):

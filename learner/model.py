@@ -184,3 +184,15 @@ def quiet_peft() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*was active which is now deleted", category=UserWarning)
         yield
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    """The token ids that end a reply: the tokenizer's end of text, the model's generation ends,
+    and ChatML's ``<|im_end|>`` where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return {i for i in ids if isinstance(i, int)}

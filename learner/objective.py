@@ -48,6 +48,9 @@ class TokenBatch:
     # whole next-token distributions, for objectives that need them (``needs_distributions``)
     student_dist: torch.Tensor | None = None  # [B, T, V] log-softmax of the current policy, requires grad
     teacher_dist: torch.Tensor | None = None  # [B, T, V] log-softmax of the hinted teacher, no grad
+    # the hinted teacher's own action, for objectives that learn it (``needs_teacher_actions``)
+    action_logp: torch.Tensor | None = None  # [B, A] the current policy's log-probs of it, requires grad
+    action_mask: torch.Tensor | None = None  # [B, A] 1.0 on its tokens; an all-zero row: no action to learn
 
 
 class Objective(Protocol):
@@ -215,11 +218,40 @@ class HindsightDistillation:
 
 
 @dataclass(frozen=True)
+class HindsightAction:
+    """Directive signal, the teacher's own action: the policy with the hint in its context
+    writes the action it would have taken (greedy), and the policy without the hint learns to
+    write it, ``-log p_student(teacher action | prompt)`` (context distillation).
+
+    The other two forms score the *student's* positions: on a 135M model a wrong value
+    ("Tokyo") pushed down token by token does not become the right one, and a sequence-level
+    push on a tool call's format tokens wore the format away (the weights-only arm of ``whet
+    bench learn`` fell from 0.33 to 0.00). The teacher's action names the right value in the
+    right format, so one correction teaches the whole call. It departs from on-policy
+    distillation in that the tokens are the teacher's, not the student's. A row whose teacher
+    wrote nothing new (the same action as the student, or none) has an all-zero mask.
+    """
+
+    needs_teacher_actions = True
+
+    def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        if batch.action_logp is None or batch.action_mask is None or not bool(batch.action_mask.any()):
+            return _zero_loss(batch.logp), {"loss": 0.0, "opd_loss": 0.0, **_EMPTY_STATS}
+        mask = batch.action_mask  # [B, A]
+        loss = _token_mean(-batch.action_logp, mask)  # []
+        with torch.no_grad():
+            stats = {"ratio_mean": 1.0, "clip_frac": 0.0, "tokens": float(mask.sum()),
+                     "adv_mean": float(_token_mean(batch.action_logp.exp(), mask))}  # adv_mean: mean p(teacher token)
+        value = float(loss.detach())
+        return loss, {"loss": value, "opd_loss": value, **stats}
+
+
+@dataclass(frozen=True)
 class Combined:
     """``rl_weight * rl + opd_weight * opd (+ kl_weight * k3 KL to the base model)``; the default."""
 
     rl: BinaryRL
-    opd: HindsightOPD | HindsightDistillation
+    opd: HindsightOPD | HindsightDistillation | HindsightAction
     rl_weight: float = 1.0
     opd_weight: float = 1.0
     kl_weight: float = 0.0
@@ -231,6 +263,10 @@ class Combined:
     @property
     def needs_distributions(self) -> bool:
         return getattr(self.opd, "needs_distributions", False)
+
+    @property
+    def needs_teacher_actions(self) -> bool:
+        return getattr(self.opd, "needs_teacher_actions", False)
 
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if self.kl_weight > 0.0 and batch.ref_logp is None:
@@ -259,9 +295,10 @@ _BUILDERS: dict[str, Callable[..., Objective]] = {
 }
 
 
-_HINDSIGHT: dict[str, Callable[..., HindsightOPD | HindsightDistillation]] = {
+_HINDSIGHT: dict[str, Callable[..., HindsightOPD | HindsightDistillation | HindsightAction]] = {
     "token": HindsightOPD,
     "distribution": lambda **_: HindsightDistillation(),
+    "action": lambda **_: HindsightAction(),
 }
 
 
@@ -278,8 +315,9 @@ def build_objective(
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
 
-    ``hindsight``: how hints teach: ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage)
-    or ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution).
+    ``hindsight``: how hints teach: ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage),
+    ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution) or
+    ``action`` (:class:`HindsightAction`, the hinted teacher's own action).
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused

@@ -27,7 +27,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from whet.config.settings import LoraConfig
-from whet.learner.model import load_causal_lm, pick_device, quiet_peft
+from whet.learner.model import load_causal_lm, pick_device, quiet_peft, stop_token_ids
 from whet.learner.objective import Objective, TokenBatch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -144,6 +144,24 @@ class LoraTrainer:
         """log p(response_t | prompt, response_<t) under the current adapter, [T]; grad follows torch's mode."""
         return _pick(self.response_distributions(prompt_ids, response_ids), response_ids)  # [T]
 
+    def teacher_action(self, teacher_prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The action the policy as it is now takes, greedy, from the hinted prompt: its token ids,
+        the end-of-turn token included when it stopped on one (as the engine records them)."""
+        stops = stop_token_ids(self.tokenizer, self.model)
+        ids = torch.tensor([list(teacher_prompt_ids)], device=self.device)  # [1, P]
+        out: list[int] = []
+        with torch.no_grad(), self._autocast():
+            logits = self.model(ids, use_cache=True)
+            cache = logits.past_key_values
+            for _ in range(max_new_tokens):
+                token = int(logits.logits[0, -1].float().argmax())
+                out.append(token)
+                if token in stops:
+                    break
+                logits = self.model(torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
+                cache = logits.past_key_values
+        return out
+
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The average per-token log-prob of a response: the promotion gate's replay measure."""
         with torch.no_grad():
@@ -160,13 +178,15 @@ class LoraTrainer:
         if not samples:
             raise ValueError("a training step needs at least one sample")
         full = getattr(self.objective, "needs_distributions", False)
+        acts = getattr(self.objective, "needs_teacher_actions", False)
         with torch.no_grad():  # the teacher is the policy as it is now, before this step
             teacher = [
                 self.response_distributions(s.teacher_prompt_ids, s.response_ids)
-                if s.teacher_prompt_ids
+                if s.teacher_prompt_ids and not acts
                 else None
                 for s in samples
             ]
+            actions = [self._new_action(s) for s in samples] if acts else None
             reference = None
             if getattr(self.objective, "kl_weight", 0.0) > 0:
                 with self.model.disable_adapter():
@@ -191,6 +211,11 @@ class LoraTrainer:
                                            for d, st in zip(teacher, student, strict=True)],
                                           batch_first=True) if full else None,  # [B, T, V]
             )
+            if actions is not None:
+                learnt = [self.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1, device=self.device)
+                          for s, a in zip(samples, actions, strict=True)]
+                batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
+                batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
             loss, stats = self.objective.loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -201,6 +226,15 @@ class LoraTrainer:
             self.model.eval()
         stats["samples"] = float(len(samples))
         return stats
+
+
+    def _new_action(self, sample: Sample) -> list[int] | None:
+        """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do
+        what the student did (then the hint taught nothing to copy)."""
+        if not sample.teacher_prompt_ids:
+            return None
+        action = self.teacher_action(sample.teacher_prompt_ids, max(2 * len(sample.response_ids), 64))
+        return action if action != list(sample.response_ids) else None
 
 
 def use_bfloat16(precision: str, device: torch.device) -> bool:

@@ -148,6 +148,35 @@ def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_
     assert float(after.sum()) > float(student.sum())
 
 
+def test_hindsight_action_teaches_the_unhinted_policy_the_action_the_hinted_one_writes(tiny_model, tmp_path):
+    # a policy that answers "Paris" but, told the user meant Lisbon, answers "Lisbon"
+    question, hint = "What time is it at home?", "The user meant Lisbon time"
+    plain = [SYSTEM, {"role": "user", "content": question}]
+    hinted = [SYSTEM, {"role": "user", "content": question + f"\n\n[hint] {hint}"}]
+    taught = memorize(tiny_model, tmp_path / "taught", [
+        (plain, [], {"role": "assistant", "content": "In Paris it is 10:00."}),
+        (hinted, [], {"role": "assistant", "content": "In Lisbon it is 09:00."}),
+    ], steps=200)  # fmt: skip
+    objective = build_objective("opd", hindsight="action")
+    trainer = LoraTrainer.load(str(taught), LORA, objective, device="cpu")
+    messages, prompt, wrong = encode_turn(trainer, question, "In Paris it is 10:00.")
+    _, _, right = encode_turn(trainer, question, "In Lisbon it is 09:00.")
+    teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, hint)
+    assert trainer.teacher_action(teacher_prompt, 32) == right  # the hinted policy writes the right action
+    with torch.no_grad():
+        before = trainer.response_logprobs(prompt, right).sum()
+        behaviour = trainer.response_logprobs(prompt, wrong).tolist()
+    corrected = Sample("t1", prompt, wrong, behaviour, score=-1, teacher_prompt_ids=teacher_prompt)
+    for _ in range(3):
+        stats = trainer.step([corrected], baseline=0.0)
+    with torch.no_grad():
+        after = trainer.response_logprobs(prompt, right).sum()
+    assert stats["tokens"] == len(right) and float(after) > float(before) + 1.0
+    # a teacher that would write what the student wrote has nothing to teach
+    same = Sample("t2", teacher_prompt, right, [0.0] * len(right), score=0, teacher_prompt_ids=teacher_prompt)
+    assert trainer.step([same], baseline=0.0)["tokens"] == 0.0
+
+
 # ----------------------------------------------------------------------------- learner around a store
 
 

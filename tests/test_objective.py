@@ -10,6 +10,7 @@ import torch
 from whet.learner.objective import (
     BinaryRL,
     Combined,
+    HindsightAction,
     HindsightDistillation,
     HindsightOPD,
     RunningBaseline,
@@ -220,7 +221,8 @@ def test_build_objective_turns_each_kind_into_its_class():
     combined = build_objective("combined", rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
     assert combined == Combined(BinaryRL(), HindsightOPD(), rl_weight=0.5, opd_weight=2.0, kl_weight=0.01)
     assert build_objective("combined", hindsight="distribution").needs_distributions and not combined.needs_distributions
-    with pytest.raises(ValueError, match="'sampled'.*distribution, token"):
+    assert build_objective("combined", hindsight="action").needs_teacher_actions and not combined.needs_teacher_actions
+    with pytest.raises(ValueError, match="'sampled'.*action, distribution, token"):
         build_objective("opd", hindsight="sampled")
 
 
@@ -243,6 +245,23 @@ def test_hindsight_distillation_moves_the_student_toward_the_teachers_distributi
                             scores=torch.zeros(2), baseline=0.0, has_hint=torch.tensor([True, True]),
                             student_dist=teacher.clone(), teacher_dist=teacher)  # fmt: skip
     assert float(HindsightDistillation().loss(at_teacher)[0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_hindsight_action_raises_the_teachers_action_on_rows_that_have_one_only():
+    logits = torch.zeros(2, 3, 4, requires_grad=True)  # [B, A, V]
+    action = torch.tensor([[1, 2, 3], [0, 0, 0]])  # [B, A]
+    action_logp = torch.log_softmax(logits, dim=-1).gather(-1, action[..., None])[..., 0]  # [B, A]
+    batch = TokenBatch(logp=torch.zeros(2, 1), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1),
+                       scores=torch.zeros(2), baseline=0.0, action_logp=action_logp,
+                       action_mask=torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))  # fmt: skip
+    loss, stats = HindsightAction().loss(batch)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(math.log(4)) and stats["tokens"] == 2.0
+    assert logits.grad[0, 0, 1] < 0 and logits.grad[0, 1, 2] < 0  # descending raises the teacher's tokens
+    assert torch.all(logits.grad[0, 2] == 0) and torch.all(logits.grad[1] == 0)  # masked: nothing learnt
+    empty = TokenBatch(logp=torch.zeros(1, 1, requires_grad=True), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1),
+                       scores=torch.zeros(1), baseline=0.0)  # fmt: skip
+    assert float(HindsightAction().loss(empty)[0].detach()) == 0.0
 
 
 def test_build_objective_rejects_unknown_kinds_naming_the_valid_ones():
