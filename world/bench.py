@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -65,6 +66,7 @@ LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 1e-3}
 DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16, "chat": 12}
 QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3, "chat": 2}  # CI scale
 THRESHOLD = 0.9
+EVAL_CONCURRENCY = 8  # held-out, general and chat-probe requests in flight at once
 REPLIES = 2  # the user's replies in one interaction: to the answer, and to the retry after a correction
 START_TIMEOUT_S = 300.0  # model load and MCP servers starting
 IDLE_TIMEOUT_S = 900.0  # the learner finishing what an interaction block gave it
@@ -262,24 +264,38 @@ def interact(client: ArmClient, task: Task, user: User, *, seed: int) -> None:
 
 def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> float:
     """Share of ``tasks`` done right: each in a fresh session, greedy, and left open (never learned from)."""
-    done = 0
-    for task in tasks:
+
+    def done(task: Task) -> bool:
         session = f"eval-{uuid.uuid4().hex[:12]}"
         answer = client.chat(session, [{"role": "user", "content": task.text}], temperature=0)
-        done += bool(task.check(client.tool_calls(session), answer))
-        advance(1)
-    return done / len(tasks)
+        return bool(task.check(client.tool_calls(session), answer))
+
+    return _count(tasks, done, advance) / len(tasks)
 
 
 def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int], None]) -> float:
     """Share of ``requests`` (none needs a tool) answered in words without calling a tool."""
-    done = 0
-    for request in requests:
+
+    def done(request: str) -> bool:
         session = f"eval-{uuid.uuid4().hex[:12]}"
         answer = client.chat(session, [{"role": "user", "content": request}], temperature=0)
-        done += bool(answer.strip()) and not client.tool_calls(session)
+        return bool(answer.strip()) and not client.tool_calls(session)
+
+    return _count(requests, done, advance) / len(requests) if requests else 1.0
+
+
+def _count(items: Sequence[Any], done: Callable[[Any], bool], advance: Callable[[int], None]) -> int:
+    """How many of ``items`` are ``done``, with up to :data:`EVAL_CONCURRENCY` evaluations in flight:
+    they are independent sessions at temperature 0, and the server decodes concurrent requests
+    together, so an evaluation costs a fraction of its sequential time."""
+
+    def one(item: Any) -> bool:
+        ok = done(item)
         advance(1)
-    return done / len(requests) if requests else 1.0
+        return ok
+
+    with ThreadPoolExecutor(EVAL_CONCURRENCY) as pool:
+        return sum(pool.map(one, items))
 
 
 def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S) -> None:
