@@ -113,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--json", dest="json_path", type=Path, default=Path("bench-learn.json"), help="results file")
     learning.add_argument("--plot", type=Path, default=Path("bench-learn.png"), help="learning curves (PNG)")
     learning.add_argument("--quick", action="store_true", help="CI scale: 4 interactions, every 2, 3 held-out, 3 general, 2 chat")
+    learning.add_argument("--keep", action="store_true", help="keep each arm's data directory (store, adapters, log)")
     learning.set_defaults(run=_bench_learn)
     return parser
 

@@ -124,6 +124,7 @@ class Plan:
     plot_path: Path
     config_path: Path | None = None
     lora_lr: float = LORA_OVERRIDES["learning_rate"]
+    keep: bool = False  # keep each arm's data directory
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, config: WhetConfig) -> Plan:
@@ -133,7 +134,8 @@ class Plan:
         return cls(
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
-            lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"], **scale,
+            lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
+            keep=args.keep, **scale,
         )  # fmt: skip
 
     def checkpoints(self) -> list[int]:
@@ -467,7 +469,10 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                 results.append(run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
                                        settle_s=2 * LEARNER_OVERRIDES["poll_s"],
                                        advance=lambda n, bar=bar: progress.advance(bar, n)))  # fmt: skip
-    shutil.rmtree(scratch, ignore_errors=True)
+    if plan.keep:
+        console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     report = build_report(plan, profile.name, results, time.perf_counter() - started)
     plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, plan.plot_path)
