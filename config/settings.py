@@ -170,7 +170,8 @@ class GateConfig(Section):
     # JSONL of {"messages": [...], "response": "...", "tools"?: [...]}: pinned turns whose likelihood
     # must not drop; "bundled" = the shipped set of general skill (config/regression.jsonl); null = none
     regression_set: str | None = "bundled"
-    regression_tolerance: float = Field(0.05, ge=0.0)  # nats/token
+    regression_tolerance: float = Field(0.05, ge=0.0)  # nats/token, the set's average
+    regression_item_tolerance: float | None = Field(None, ge=0.0)  # nats/token, any one item (null: unchecked)
     # after promotion: roll back when the live adapter's mean judged score over this many
     # recent turns falls below its predecessor's by more than rollback_margin
     rollback_window: int = Field(16, ge=1)

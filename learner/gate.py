@@ -8,7 +8,9 @@ adapter (``before``) and the candidate (``after``):
   ``mean(after - before | +1) - mean(after - before | -1)`` must not be below
   ``-tolerance``;
 - on a pinned regression set (turns a person wants kept), the average change must not
-  be below ``-regression_tolerance``.
+  be below ``-regression_tolerance``, and no single item may fall by more than
+  ``regression_item_tolerance``: a candidate that copies a lesson's city into "What time is
+  it in Cairo?" changes a few tokens of one item a lot, which the average of all items hides.
 
 A check without data passes and says so in the metrics. The decision and every number
 are stored on the adapter row.
@@ -47,23 +49,31 @@ class GateDecision:
 class PromotionGate:
     tolerance: float = 0.01
     regression_tolerance: float = 0.05
+    regression_item_tolerance: float | None = None  # None: the average alone decides
 
     def decide(self, holdout: Sequence[Replayed], regression: Sequence[Replayed]) -> GateDecision:
         margin = preference_margin(holdout)
         drift = fmean(r.after - r.before for r in regression) if regression else None
+        worst = min(r.after - r.before for r in regression) if regression else None
         metrics = {
             "holdout_turns": len(holdout),
             "preference_margin": margin,
             "regression_turns": len(regression),
             "regression_drift": drift,
+            "regression_worst": worst,
             "tolerance": self.tolerance,
             "regression_tolerance": self.regression_tolerance,
+            "regression_item_tolerance": self.regression_item_tolerance,
         }
         if margin is not None and margin < -self.tolerance:
             reason = f"held-out preference margin {margin:+.4f} nats/token is below -{self.tolerance}"
             return GateDecision(False, reason, metrics)
         if drift is not None and drift < -self.regression_tolerance:
             reason = f"regression set likelihood fell {drift:+.4f} nats/token (allowed -{self.regression_tolerance})"
+            return GateDecision(False, reason, metrics)
+        if worst is not None and self.regression_item_tolerance is not None and worst < -self.regression_item_tolerance:
+            reason = (f"a regression item's likelihood fell {worst:+.4f} nats/token "
+                      f"(allowed -{self.regression_item_tolerance} for any one item)")  # fmt: skip
             return GateDecision(False, reason, metrics)
         checked = [n for n, v in (("held-out", margin), ("regression", drift)) if v is not None]
         reason = f"passed {' and '.join(checked)} replay" if checked else "no held-out or regression data: passed"

@@ -105,7 +105,8 @@ class Learner:
         self.bus = bus
         self.judge = judge
         self.registry = registry
-        self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance)
+        self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance,
+                                  config.gate.regression_item_tolerance)
         self.progress = Progress()
         self._make_trainer = trainer if config.train else None
         self._trainer: LoraTrainer | None = None
