@@ -14,7 +14,14 @@ checker:
 This isolates the policy from the rest of the loop (judge, retrieval, gate):
 if ``lesson`` is not far above ``nothing``, lessons cannot help ``whet bench learn``.
 
-    python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--seed S]
+And the other side of it, on general tasks (which need no preference), two ways:
+
+- ``plain``: nothing in context;
+- ``look-alike``: with the user's lessons that retrieval would bring beside it (the time at
+  home beside "What time is it in Cairo?", the reminders list beside "Add X to my work
+  list"): a policy that copies whatever a lesson says loses general skill here.
+
+    python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--general N] [--seed S]
 
 ``--model`` defaults to the default model (``smollm2``) in the default data directory.
 """
@@ -36,10 +43,11 @@ from whet.learner.lessons import lesson_text
 from whet.learner.model import DEFAULT_MODEL, model_dir
 from whet.learner.prompt import prompt_text, with_hint, with_lessons
 from whet.runtime.chat_format import parse_tool_calls
-from whet.world.conversations import BundledTools
-from whet.world.tasks import Task, ToolUse, World, load_profile, make_task
+from whet.world.conversations import NEIGHBOURS, BundledTools
+from whet.world.tasks import PERSONAL, Profile, Task, ToolUse, World, load_profile, make_task
 
 WAYS = ("nothing", "lesson", "hint")
+GENERAL_WAYS = ("plain", "look-alike")
 
 
 class Policy:
@@ -77,11 +85,21 @@ def prompt(way: str, task: Task, earlier: Task) -> list[dict]:
     return with_hint(messages, hint) if way == "hint" else messages
 
 
+def lookalike_prompt(task: Task, profile: Profile, rng: random.Random) -> list[dict]:
+    """``task`` with two of the user's personal lessons of the intents that read like it."""
+    near = [i for i in NEIGHBOURS[task.intent] if i in PERSONAL] or list(PERSONAL)
+    earlier = [make_task(rng.choice(near), rng, profile) for _ in range(2)]
+    lessons = [lesson_text(e.text, hint=correction_hint(e.correction or "")) for e in earlier]
+    system = with_lessons(AgentConfig().system_prompt, lessons)
+    return [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the default model in the data dir)")
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--general", type=int, default=16, help="general tasks, plain and beside look-alike lessons")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     folder = args.model or model_dir(load_config().data_path, DEFAULT_MODEL)
@@ -89,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no model in {folder}: run `whet model build` or pass --model", file=sys.stderr)
         return 2
     profile = load_profile(args.profile)
-    tasks = World(profile, args.seed).heldout_tasks(args.tasks)
+    world = World(profile, args.seed)
+    tasks, general = world.heldout_tasks(args.tasks), world.general_tasks(args.general)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
         tools = BundledTools(Path(scratch))
@@ -102,11 +121,20 @@ def main(argv: list[str] | None = None) -> int:
                 for way in WAYS:
                     calls, answer = policy.solve(prompt(way, task, earlier))
                     done[way] += task.check(calls, answer)
+            kept = dict.fromkeys(GENERAL_WAYS, 0)
+            for task in general:
+                for way, messages in (("plain", prompt("nothing", task, task)),
+                                      ("look-alike", lookalike_prompt(task, profile, rng))):  # fmt: skip
+                    calls, answer = policy.solve(messages)
+                    kept[way] += task.check(calls, answer)
         finally:
             tools.close()
     print(f"model {folder}, profile {profile.name}, seed {args.seed}, {len(tasks)} held-out personal tasks")
     for way in WAYS:
-        print(f"  {way:8s} {done[way]:3d}/{len(tasks)}  {done[way] / len(tasks):.2f}")
+        print(f"  {way:10s} {done[way]:3d}/{len(tasks)}  {done[way] / len(tasks):.2f}")
+    print(f"{len(general)} general tasks")
+    for way in GENERAL_WAYS:
+        print(f"  {way:10s} {kept[way]:3d}/{len(general)}  {kept[way] / max(1, len(general)):.2f}")
     print("command: python bench/lesson_following.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
