@@ -201,3 +201,31 @@ def test_a_distilled_answer_cut_at_the_token_limit_ends_at_its_last_full_sentenc
     assert tidy_answer("Use coupons. 5. Buy in bulk. 6.") == "Use coupons. 5. Buy in bulk."
     assert tidy_answer("The capital is Ottawa.") == "The capital is Ottawa."
     assert tidy_answer("It is sunny today. Tomorrow it will") == "It is sunny today."
+
+
+def test_the_warm_starts_reply_loss_is_the_models_own_loss_with_and_without_a_cached_prefix(built):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from whet.world.warmstart import reply_loss
+
+    model = AutoModelForCausalLM.from_pretrained(built).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=generator)  # [B, L]
+    labels = ids.clone()
+    labels[:, :8] = -100  # the prompt part of each row is context
+    labels[2, 15:] = -100
+    mask = torch.ones_like(ids)
+    mask[2, 15:] = 0  # a padded row
+    with torch.no_grad():
+        assert float(reply_loss(model, ids, mask, labels)) == pytest.approx(
+            float(model(input_ids=ids, attention_mask=mask, labels=labels).loss), rel=1e-5)
+        prefix = torch.randint(0, model.config.vocab_size, (1, 5), generator=generator)
+        caches = []
+        for _ in range(2):
+            cache = model(prefix, use_cache=True).past_key_values
+            cache.batch_repeat_interleave(3)
+            caches.append(cache)
+        full = torch.cat([torch.ones(3, 5, dtype=mask.dtype), mask], dim=1)  # [B, P+L]
+        expected = model(input_ids=ids, attention_mask=full, labels=labels, past_key_values=caches[0], use_cache=True).loss
+        assert float(reply_loss(model, ids, full, labels, caches[1])) == pytest.approx(float(expected), rel=1e-5)

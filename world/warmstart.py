@@ -219,8 +219,7 @@ def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, repo
                         cache = model(torch.tensor([prefix]), use_cache=True).past_key_values
                     cache.batch_repeat_interleave(len(batch))
                     mask = torch.cat([torch.ones(len(batch), len(prefix), dtype=mask.dtype), mask], dim=1)  # [B, P+L]
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels, past_key_values=cache,
-                             use_cache=cache is not None).loss  # fmt: skip
+                loss = reply_loss(model, ids, mask, labels, cache)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
@@ -230,6 +229,20 @@ def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, repo
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()
+
+
+def reply_loss(model: Any, ids: Any, mask: Any, labels: Any, cache: Any = None) -> Any:
+    """The causal LM loss on the labelled tokens (the replies), as ``model(labels=...)`` computes
+    it, but with the output layer applied to those positions only: the rest of a conversation is
+    context, and its [batch, length, vocabulary] logits were most of a step's memory traffic."""
+    import torch
+
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                 use_cache=cache is not None).last_hidden_state  # [B, L, H]
+    targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
+    keep = targets != -100  # [B, L-1]
+    logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # [N, V]
+    return torch.nn.functional.cross_entropy(logits.float(), targets[keep])  # []
 
 
 def _autocast(model: Any):
