@@ -12,7 +12,8 @@ import pytest
 import torch
 from batchgate import decoded_together
 
-from whet.runtime.policy import BackendError, Generation, PolicyBackend, SamplingParams, create_backend
+from whet.runtime.backends import create_backend
+from whet.runtime.policy import BackendError, Generation, PolicyBackend, SamplingParams
 from whet.runtime.scripted import SCRIPTED_LOGPROB, ScriptedBackend
 
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -470,3 +471,16 @@ def test_remote_backends_need_a_base_url(tmp_path):
     assert isinstance(engine, VllmBackend) and isinstance(engine, PolicyBackend)
     assert engine.model_name == "Qwen/Qwen2.5-7B-Instruct"
     asyncio.run(engine.aclose())
+
+
+def test_the_policy_protocol_module_imports_none_of_its_implementations():
+    """No import circle: policy.py defines the seam; backends.py, where config is read, builds engines."""
+    import ast
+
+    import whet.runtime.policy as policy
+
+    tree = ast.parse(Path(policy.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not [name for name in imported if name and name.startswith("whet.")]
+    assert not hasattr(policy, "create_backend")
