@@ -190,3 +190,29 @@ def test_log_probs_are_float32_even_when_the_model_computes_in_bfloat16():
     exact = float(torch.log_softmax(logits.float(), dim=-1)[token])
     assert logprob == exact
     assert logprob != float(torch.log_softmax(logits, dim=-1)[token])  # what bfloat16 arithmetic would give
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu_and_a_name_is_kept():
+    from whet.runtime.hf import serving_dtype
+
+    assert serving_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert serving_dtype("auto", torch.device("cpu")) == "float32"
+    assert serving_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+    assert serving_dtype("float32", torch.device("cuda")) == "float32"
+
+
+@pytest.mark.anyio
+async def test_a_bfloat16_backend_serves_in_bfloat16_with_float32_log_probs(model_dir):
+    from whet.runtime.hf import TransformersBackend
+
+    engine = TransformersBackend(str(model_dir), device="cpu", dtype="bfloat16", workers=2)
+    try:
+        assert engine.model.dtype == torch.bfloat16
+        generation = await engine.generate(PROMPTS[1], [], SamplingParams(max_new_tokens=6, temperature=0.0))
+        ids = torch.tensor([generation.prompt_token_ids + generation.token_ids])  # [1, P+T]
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0, len(generation.prompt_token_ids) - 1 : -1]  # [T, V] bfloat16
+        exact = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(generation.token_ids)[:, None])
+        assert generation.logprobs == pytest.approx(exact[:, 0].tolist(), abs=0.05)  # bf16 sums differ per pass
+    finally:
+        await engine.aclose()
