@@ -162,10 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="tiny (default), smollm2, an HF id or a model folder")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="N values, comma-separated")
+    parser.add_argument("--tokens", type=int, help="tokens generated per request (default 48, --quick 12)")
     args = parser.parse_args(argv)
     plan = Plan(model=args.model, dtype=args.dtype, device=args.device)
+    plan.concurrency = tuple(int(n) for n in args.concurrency.split(","))
     if args.quick:
         plan.tokens, plan.prefill_tokens, plan.repeats = 12, 64, 1
+    if args.tokens:
+        plan.tokens = args.tokens
     backend = load(plan)
     command = shlex.join(["python", "bench/perf.py", *(sys.argv[1:] if argv is None else argv)])
     report = Report(command=command, machine=machine(backend), plan=asdict(plan))
