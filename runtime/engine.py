@@ -14,6 +14,9 @@ columns no row needs any more.
 transformers' own continuous batching (``generate_batch``) samples its tokens itself, over a
 paged cache, with no per-row LoRA adapter and no reuse of whet's prefix caches, so the loop is
 here; the forward pass, the cache and the per-row adapters are transformers' and peft's.
+
+Not done: a prompt is prefilled in one pass, so a long one pauses the batch's decoding meanwhile
+(chunked prefill would bound that pause), and prefills are not batched with each other.
 """
 
 from __future__ import annotations
@@ -120,14 +123,18 @@ class BatchEngine:
                 if self._closed:
                     break
                 joining = self._admit()
-            with torch.inference_mode():
-                while joining:  # those that arrived during a prefill join before the next step too
-                    for seq in joining:
-                        self._join(seq)
-                    with self._cond:
-                        joining = [] if self._closed else self._admit()
-                if self.rows:
-                    self._step()
+            try:
+                with torch.inference_mode():
+                    while joining:  # those that arrived during a prefill join before the next step too
+                        for seq in joining:
+                            self._join(seq)
+                        with self._cond:
+                            joining = [] if self._closed else self._admit()
+                    if self.rows:
+                        self._step()
+            except Exception as exc:  # a bug in the bookkeeping fails the batch, never the engine
+                self._fail([*joining, *self.rows], exc)
+                self.rows, self._cache, self._mask, self._lengths = [], None, None, []
         self._fail([*self._waiting, *self.rows], BackendError("the model backend is closed"))
         self._waiting, self.rows = [], []
 
@@ -146,10 +153,10 @@ class BatchEngine:
             cache, logits = self._prefill(seq)
             if self._accept(seq, logits):
                 return self._finish(seq, cache)
+            self._add_row(seq, cache)
         except Exception as exc:  # this request fails; the batch goes on
             seq.error = exc
-            return self._finish(seq, None)
-        self._add_row(seq, cache)
+            self._finish(seq, None)
 
     def _step(self) -> None:
         """One forward pass over every row, one token sampled for each; finished rows leave."""

@@ -216,3 +216,30 @@ async def test_a_bfloat16_backend_serves_in_bfloat16_with_float32_log_probs(mode
         assert generation.logprobs == pytest.approx(exact[:, 0].tolist(), abs=0.05)  # bf16 sums differ per pass
     finally:
         await engine.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_request_whose_prefill_fails_gets_the_error_while_the_batch_goes_on(backend, monkeypatch):
+    engine = backend._engine
+    real_prefill = engine._prefill
+
+    def prefill(seq):
+        if seq.params.seed == 13:
+            raise RuntimeError("prefill broke")
+        return real_prefill(seq)
+
+    async def caught(request):
+        try:
+            return await request
+        except RuntimeError as exc:
+            return exc
+
+    ok = SamplingParams(max_new_tokens=8, temperature=0.0, seed=1)
+    alone = await backend.generate(PROMPTS[2], [], ok, adapter="a2")
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    failed, done = await decoded_together(backend, [
+        caught(backend.generate(PROMPTS[1], [], SamplingParams(max_new_tokens=8, seed=13))),
+        backend.generate(PROMPTS[2], [], ok, adapter="a2"),
+    ])  # fmt: skip
+    assert isinstance(failed, RuntimeError) and "prefill broke" in str(failed)
+    _same([done], [alone])
