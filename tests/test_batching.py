@@ -243,3 +243,24 @@ async def test_a_request_whose_prefill_fails_gets_the_error_while_the_batch_goes
     ])  # fmt: skip
     assert isinstance(failed, RuntimeError) and "prefill broke" in str(failed)
     _same([done], [alone])
+
+
+@pytest.mark.anyio
+async def test_a_row_leaving_the_batch_leaves_its_own_cache_for_prefix_reuse(backend, monkeypatch):
+    from whet.runtime.hf import BASE
+    from whet.runtime.prefix import PrefixCache
+
+    monkeypatch.setattr(backend, "prefixes", PrefixCache())
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in BUDGETS]
+    prompts = [[{"role": "system", "content": "You are whet. " * k}, m[-1]] for k, m in zip((9, 14, 20, 11), PROMPTS, strict=True)]
+    done = await decoded_together(backend, [backend.generate(m, [], p) for m, p in zip(prompts, params, strict=True)])
+    assert len({len(g.prompt_token_ids) for g in done}) == len(done)  # rows of different lengths: padded
+    for generation in done:
+        ids = [*generation.prompt_token_ids, *generation.token_ids[:-1]]  # the last token was never fed
+        kept, length = backend.prefixes.take(BASE, [*ids, 0])
+        assert length == len(ids)
+        _, fresh = backend._forward(torch.tensor([ids]), None, [BASE])  # [1, n] from scratch
+        for mine, theirs in zip(kept.layers, fresh.layers, strict=True):
+            assert mine.keys.shape == theirs.keys.shape  # [1, H, n, D]: no padding, no other row
+            assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+            assert torch.allclose(mine.values, theirs.values, atol=1e-5)
