@@ -201,6 +201,7 @@ class BatchEngine:
         if not self.rows:
             self.rows, self._cache, self._mask, self._lengths = [seq], cache, ones, [length]
             return
+        # DynamicCache can select rows (batch_select_indices) but not add a row of another length: pad by hand
         width = max(self._mask.shape[1], length)
         grow, pad = width - self._mask.shape[1], width - length
         for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
