@@ -51,7 +51,9 @@ class ModelConfig(Section):
     # name clients use in the `model` field; defaults to the id
     served_name: str | None = None
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # weights and activations (log-probs are float32 always); auto = bfloat16 on CUDA, float32 on
+    # CPU, where bfloat16 decoded 2-5x slower on the tiny model (no bf16 instructions; see README)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_new_tokens: int = Field(256, gt=0)
     max_context_tokens: int = Field(4096, gt=0)
     temperature: float = Field(0.7, ge=0.0)

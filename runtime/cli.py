@@ -186,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _load_backend(config: WhetConfig):
     from rich.console import Console
 
-    from whet.runtime.policy import create_backend
+    from whet.runtime.backends import create_backend
 
     if config.model.id == "smollm2" and config.model.backend != "openai":  # the default model
         from whet.learner.model import DEFAULT_MODEL, ModelLoadError, model_dir

@@ -1,8 +1,10 @@
 """TransformersBackend: an in-process engine on transformers + peft, CPU or CUDA.
 
-Generation is a plain sampling loop over the model's KV cache, run in a pool of
-worker threads (never on the event loop), so that each sampled token can be
-streamed at once and reported with its log-prob.
+Generation runs in one batching engine (:mod:`whet.runtime.engine`): concurrent
+requests are decoded together, one forward pass advancing every active sequence by
+one token, and each sampled token is streamed at once and reported with its
+log-prob. A request waits in a worker thread (never on the event loop) while the
+engine works on it; ``workers`` bounds how many are decoded at once.
 
 Log-probs are those of the RAW model distribution: ``log_softmax(logits)`` at
 temperature 1, before temperature and top-p reshape it for sampling. That is
@@ -11,12 +13,12 @@ is exactly 1 for an unchanged policy whatever the sampling settings were.
 ``token_ids`` include the end-of-turn token when generation stopped on it (the
 policy has to learn to stop); ``text`` does not.
 
-Adapters: several peft LoRA adapters live in one model. A request picks its
-adapter per forward pass through peft's mixed-batch ``adapter_names`` argument
-(``"__base__"`` = no adapter), injected by a forward pre-hook that reads the
-*calling thread's* choice. peft's own ``adapter_names`` hooks are registered on
-shared modules per call and would race between concurrent requests, and
-``set_adapter`` is global state, so neither is used. Loading and unloading take
+Adapters: several peft LoRA adapters live in one model. Each batch row picks its
+adapter through peft's mixed-batch ``adapter_names`` argument (``"__base__"`` = no
+adapter), so requests on different adapter versions share a forward pass; a forward
+pre-hook on the LoRA layers injects the engine's per-row list (the model is called
+directly, not through the PeftModel wrapper, whose ``adapter_names`` hooks are
+registered per call; ``set_adapter`` is global state and unused). Loading and unloading take
 a write lock that waits for the forward pass in progress; unloading also waits
 for the requests still generating with that adapter (they finish on it).
 DoRA adapters are refused (peft cannot mix them per request).
@@ -39,9 +41,13 @@ import torch
 from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quiet_peft
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
+from whet.runtime.engine import BatchEngine, Sequence
 from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
 from whet.runtime.prefix import PrefixCache
 
+# below this temperature sampling is greedy: the next-best token's odds are exp(-gap / T), nil
+# for any gap a float32 logit can show, and dividing by a tinier one overflows float32
+GREEDY_BELOW = 1e-6
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
 _DONE = object()
 
@@ -86,16 +92,18 @@ def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
 ) -> tuple[int, float]:
     """Pick the next token from ``logits`` [V]; return it and its RAW log-prob (temperature 1, no top-p)."""
-    logits = logits.float()
+    logits = logits.float()  # log-probs in float32 whatever the model's dtype
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [V]
-    if temperature <= 0.0:
+    if temperature < GREEDY_BELOW:
         token = int(torch.argmax(logits))
     else:
-        probs = torch.softmax(logits / temperature, dim=-1)  # [V]
+        # shifted so the largest is 0: a tiny temperature sends the others to -inf, never to nan
+        probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)  # [V]
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)  # [V], [V]
             outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p  # mass before each >= p
-            sorted_probs[outside] = 0.0  # the most likely token is never outside
+            outside[0] = False  # the most likely token stays, however small top_p (even 0 in float32)
+            sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(raw_logprobs[token])
@@ -105,8 +113,8 @@ class TransformersBackend:
     """An HF model id or a local ``save_pretrained`` folder, served in-process.
 
     ``device``: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1"...
-    ``dtype``: "auto" (the checkpoint's dtype on CUDA, float32 on CPU) or a torch dtype name.
-    ``workers``: generation threads; requests beyond that many wait for a free one.
+    ``dtype``: "auto" (:func:`serving_dtype`), "float32" or "bfloat16"; log-probs are float32 either way.
+    ``workers``: how many requests are decoded together; requests beyond that many wait.
     """
 
     def __init__(
@@ -122,7 +130,7 @@ class TransformersBackend:
         self.model_name = model_name or model_id_or_path
         self.device = pick_device(device)
         try:
-            self.tokenizer, self.model = load_causal_lm(model_id_or_path, self.device, dtype)
+            self.tokenizer, self.model = load_causal_lm(model_id_or_path, self.device, serving_dtype(dtype, self.device))
         except ModelLoadError as exc:
             raise BackendError(str(exc)) from exc
         positions = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
@@ -135,12 +143,16 @@ class TransformersBackend:
         self._tokenizer_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whet-generate")
         self._lock = _ReadWriteLock()
-        self._local = threading.local()  # .adapter_names for the forward passes of this thread
+        self._local = threading.local()  # .adapter: the adapter of the request this thread serves
+        self._adapter_names: list[str] | None = None  # per batch row, for the forward pass running now
         self._peft: Any = None  # the PeftModel wrapper, once an adapter is loaded
         self._adapters: set[str] = set()
         self._in_use: Counter[str] = Counter()
         self._in_use_cond = threading.Condition()
         self.prefixes = PrefixCache()
+        self._engine = BatchEngine(
+            self._forward, self._prefill, self._accept, self._release, self.device, max_batch=workers
+        )
 
     # -- prompt ---------------------------------------------------------------
 
@@ -242,53 +254,76 @@ class TransformersBackend:
         emit: Callable[[str], None],
         cancel: threading.Event,
     ) -> tuple[list[int], list[float], str, str]:
-        """Sample up to ``budget`` tokens, emitting text as it becomes final; returns ids, log-probs,
-        finish reason and the text emitted so far.
-
-        The prompt's start may come from the prefix cache (an earlier step or request on the same
-        adapter); what this request computed goes back into it when it ends."""
+        """Sample up to ``budget`` tokens in the batching engine, emitting text as it becomes final;
+        returns ids, log-probs, finish reason and the text emitted so far."""
         generator = torch.Generator(device=self.device)
         if params.seed is None:
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        sent = ""
-        hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may start a stop string
-        adapter = (getattr(self._local, "adapter_names", None) or [BASE])[0]
-        finish = "length"
-        with torch.inference_mode():
-            cache, reused = self.prefixes.take(adapter, prompt)
-            inputs = torch.tensor([prompt[reused:]], device=self.device)  # [1, P - reused]
+        adapter = getattr(self._local, "adapter", None) or BASE
+        seq = Sequence(prompt, params, budget, adapter, emit, cancel, generator)
+        self._engine.submit(seq)
+        self._engine.wait(seq)
+        return seq.token_ids, seq.logprobs, seq.finish, seq.sent
+
+    # -- the engine's callbacks (engine thread) ---------------------------------
+
+    def _forward(
+        self,
+        inputs: torch.Tensor,
+        cache: Any,
+        adapter_names: list[str],
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward pass, row ``b`` on ``adapter_names[b]``; the last position's logits [B, V]."""
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask, "position_ids": position_ids}
+        with self._lock.read():
+            self._adapter_names = adapter_names
             try:
-                while len(token_ids) < budget and not cancel.is_set():
-                    with self._lock.read():
-                        out = self.model(inputs, past_key_values=cache, use_cache=True, **self._last_only)
-                    cache = out.past_key_values
-                    logits = out.logits[0, -1]  # [V]
-                    token, logprob = sample_token(logits, params.temperature, params.top_p, generator)
-                    token_ids.append(token)
-                    logprobs.append(logprob)
-                    if token in self.stop_token_ids:
-                        finish = "stop"
-                        break
-                    text, stopped = self._decode(token_ids, params.stop)
-                    if stopped:
-                        finish = "stop"
-                        break
-                    visible = text[: len(text) - hold]
-                    if not visible.endswith("\ufffd") and visible.startswith(sent) and len(visible) > len(sent):
-                        emit(visible[len(sent):])
-                        sent = visible
-                    inputs = torch.tensor([[token]], device=self.device)  # [1, 1]
+                out = self.model(inputs, past_key_values=cache, use_cache=True, **extra, **self._last_only)
             finally:
-                if token_ids:  # the last sampled token was never fed: the cache holds everything before it
-                    self.prefixes.put(adapter, [*prompt, *token_ids[:-1]], cache)
-        return token_ids, logprobs, finish, sent
+                self._adapter_names = None
+        return out.logits[:, -1], out.past_key_values  # [B, V]
+
+    def _prefill(self, seq: Sequence) -> tuple[Any, torch.Tensor]:
+        """The prompt's cache (its start from the prefix cache when an earlier sequence ran it) and
+        the logits of the first new token [V]."""
+        cache, reused = self.prefixes.take(seq.adapter, seq.prompt)
+        inputs = torch.tensor([seq.prompt[reused:]], device=self.device)  # [1, P - reused]
+        logits, cache = self._forward(inputs, cache, [seq.adapter])
+        return cache, logits[0]
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Sample ``seq``'s next token from ``logits`` [V], emit what text became final; True when done."""
+        params = seq.params
+        token, logprob = sample_token(logits, params.temperature, params.top_p, seq.generator)
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if token in self.stop_token_ids:
+            seq.finish = "stop"
+            return True
+        text, stopped = self._decode(seq.token_ids, params.stop)
+        if stopped:
+            seq.finish = "stop"
+            return True
+        hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may start a stop string
+        visible = text[: len(text) - hold]
+        if not visible.endswith("\ufffd") and visible.startswith(seq.sent) and len(visible) > len(seq.sent):
+            seq.emit(visible[len(seq.sent):])
+            seq.sent = visible
+        return len(seq.token_ids) >= seq.budget
+
+    def _release(self, seq: Sequence, cache: Any) -> None:
+        """Keep a finished sequence's cache for prefix reuse: the last sampled token was never fed,
+        so it holds the prompt and every token before it."""
+        if seq.token_ids:
+            self.prefixes.put(seq.adapter, [*seq.prompt, *seq.token_ids[:-1]], cache)
 
     def _decode(self, token_ids: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
-        """The completion text (no end-of-turn token, cut before the first stop string); whether it was cut.
+        """The completion text (no special tokens, so no end-of-turn, cut before the first stop string);
+        whether it was cut. ``token_ids`` keep them: the policy has to learn to stop.
 
         Decodes the whole completion each time: simple, and cheap next to a forward pass.
         """
@@ -296,7 +331,7 @@ class TransformersBackend:
             token_ids = token_ids[:-1]
         with self._tokenizer_lock:
             text = self.tokenizer.decode(
-                token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
         cut = _find_stop(text, stop)
         return (text, False) if cut is None else (text[:cut], True)
@@ -305,22 +340,22 @@ class TransformersBackend:
 
     @contextmanager
     def _using(self, adapter: str | None):
-        """Route this thread's forward passes to ``adapter`` and hold it loaded meanwhile."""
+        """Tag this thread's request with ``adapter`` and hold it loaded meanwhile."""
         with self._in_use_cond:
             if adapter is not None and adapter not in self._adapters:
                 raise ValueError(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
             self._in_use[adapter or BASE] += 1
-        self._local.adapter_names = [adapter or BASE]
+        self._local.adapter = adapter
         try:
             yield
         finally:
-            self._local.adapter_names = None
+            self._local.adapter = None
             with self._in_use_cond:
                 self._in_use[adapter or BASE] -= 1
                 self._in_use_cond.notify_all()
 
     def _route_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        names = getattr(self._local, "adapter_names", None)
+        names = self._adapter_names
         if names is not None:
             kwargs["adapter_names"] = names
         return args, kwargs
@@ -377,7 +412,16 @@ class TransformersBackend:
         return sorted(self._adapters)
 
     async def aclose(self) -> None:
+        self._engine.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serving_dtype(dtype: str, device: torch.device) -> str:
+    """``auto`` as measured: bfloat16 on CUDA; float32 on CPU, where bfloat16 prefilled faster but
+    decoded 2-5x slower on the tiny model (an AVX2 CPU without bf16 instructions; README, Speed)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:

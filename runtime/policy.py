@@ -8,6 +8,8 @@ re-tokenized later (the learner trains on them).
 Messages are OpenAI chat dicts (``role``, ``content``, ``tool_calls`` with
 ``function.arguments`` as a JSON string, ``tool_call_id``); tools are OpenAI
 function specs (``{"type": "function", "function": {name, description, parameters}}``).
+
+This module imports none of the engines; :mod:`whet.runtime.backends` builds the configured one.
 """
 
 from __future__ import annotations
@@ -15,11 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from whet.config.settings import ModelConfig
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -130,35 +128,3 @@ class BackendError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         self.status, self.message = status, message
         super().__init__(f"{message} (HTTP {status})" if status is not None else message)
-
-
-def create_backend(model: ModelConfig, data_dir: Path) -> PolicyBackend:
-    """The backend ``model`` configures.
-
-    ``id: smollm2`` (transformers) serves the default model from ``data_dir/models/smollm2``;
-    ``id: tiny`` the untrained tiny model, built into ``data_dir/models/tiny`` on first use.
-    """
-    if model.backend == "transformers":
-        from whet.learner.model import ModelLoadError, resolve_source
-        from whet.runtime.hf import TransformersBackend
-
-        try:
-            source = resolve_source(model.id, data_dir)
-        except ModelLoadError as exc:  # not built yet, or a folder in the way
-            raise BackendError(str(exc)) from None
-        return TransformersBackend(
-            source,
-            device=model.device,
-            dtype=model.dtype,
-            workers=model.workers,
-            model_name=model.name,
-            max_context_tokens=model.max_context_tokens,
-        )
-    if not model.base_url:
-        raise BackendError(
-            f"model.base_url is required for the {model.backend} backend (e.g. http://127.0.0.1:8001/v1)"
-        )
-    from whet.runtime.remote import OpenAIBackend, VllmBackend
-
-    kind = VllmBackend if model.backend == "vllm" else OpenAIBackend
-    return kind(model.base_url, model.api_key, model.id, timeout=model.request_timeout, model_name=model.name)

@@ -29,9 +29,10 @@ from whet.memory.index import Embedder, LessonIndex, open_embedder
 from whet.memory.store import Store, open_store
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.agent import Agent
+from whet.runtime.backends import create_backend
 from whet.runtime.follower import Follower
 from whet.runtime.metrics import Metrics
-from whet.runtime.policy import BackendChat, PolicyBackend, create_backend
+from whet.runtime.policy import BackendChat, PolicyBackend
 from whet.runtime.tools import ToolPool
 
 log = structlog.get_logger()

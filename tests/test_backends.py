@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from batchgate import decoded_together
 
-from whet.runtime.policy import BackendError, Generation, PolicyBackend, SamplingParams, create_backend
+from whet.runtime.backends import create_backend
+from whet.runtime.policy import BackendError, Generation, PolicyBackend, SamplingParams
 from whet.runtime.scripted import SCRIPTED_LOGPROB, ScriptedBackend
 
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -246,31 +248,19 @@ def test_a_model_folder_without_config_is_named_in_the_error(tmp_path):
 
 @pytest.mark.anyio
 async def test_an_adapter_request_uses_the_adapter_while_a_concurrent_base_request_stays_on_base(
-    backend, model_dir, adapter_dir, monkeypatch
+    backend, model_dir, adapter_dir
 ):
-    import whet.runtime.hf as hf
-
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
     base_alone = await backend.generate(USER, [], params)
     await backend.load_adapter("v1", str(adapter_dir))
     assert backend.adapters() == ["v1"]
 
-    # the two requests sample their first tokens in lockstep, so their forward passes interleave
-    barrier = threading.Barrier(2, timeout=20)
-    steps = threading.local()
-    real_sample = hf.sample_token
-
-    def lockstep(*args):
-        steps.n = getattr(steps, "n", 0) + 1
-        if steps.n <= 6:
-            barrier.wait()
-        return real_sample(*args)
-
-    monkeypatch.setattr(hf, "sample_token", lockstep)
-    tuned, base = await asyncio.gather(
-        backend.generate(USER, [], params, adapter="v1"), backend.generate(USER, [], params)
+    # the two requests are decoded in one batch: every forward pass mixes the adapter and the base
+    mixed = backend._engine.mixed_steps
+    tuned, base = await decoded_together(
+        backend, [backend.generate(USER, [], params, adapter="v1"), backend.generate(USER, [], params)]
     )
-    monkeypatch.setattr(hf, "sample_token", real_sample)
+    assert backend._engine.mixed_steps > mixed
 
     assert base.adapter is None and tuned.adapter == "v1"
     assert base.token_ids == base_alone.token_ids
@@ -481,3 +471,16 @@ def test_remote_backends_need_a_base_url(tmp_path):
     assert isinstance(engine, VllmBackend) and isinstance(engine, PolicyBackend)
     assert engine.model_name == "Qwen/Qwen2.5-7B-Instruct"
     asyncio.run(engine.aclose())
+
+
+def test_the_policy_protocol_module_imports_none_of_its_implementations():
+    """No import circle: policy.py defines the seam; backends.py, where config is read, builds engines."""
+    import ast
+
+    import whet.runtime.policy as policy
+
+    tree = ast.parse(Path(policy.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not [name for name in imported if name and name.startswith("whet.")]
+    assert not hasattr(policy, "create_backend")

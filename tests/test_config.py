@@ -55,3 +55,12 @@ def test_the_logged_config_masks_every_api_key_and_keeps_every_user():
     logged = config.redacted()
     assert logged["server"]["api_keys"] == ["*** -> alice", "*** -> bob"]
     assert "sk-" not in str(logged)
+
+
+def test_model_dtype_takes_auto_float32_or_bfloat16_and_names_the_key_otherwise(tmp_path):
+    assert load_config(overrides={"model": {"dtype": "bfloat16"}}).model.dtype == "bfloat16"
+    path = tmp_path / "whet.yaml"
+    path.write_text("model:\n  dtype: float16\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == "model.dtype" and "bfloat16" in str(err.value)

@@ -96,7 +96,8 @@ def test_model_build_refuses_a_folder_that_is_not_a_model(tmp_path):
 
 def test_the_server_backend_loads_the_built_folder_and_generates_with_token_ids(built):
     from whet.config.settings import ModelConfig
-    from whet.runtime.policy import SamplingParams, create_backend
+    from whet.runtime.backends import create_backend
+    from whet.runtime.policy import SamplingParams
 
     backend = create_backend(ModelConfig(id=str(built), device="cpu", workers=1), built.parent)
     try:

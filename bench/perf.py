@@ -1,0 +1,188 @@
+"""Serving speed of the in-process transformers engine: how much batching concurrent requests buys.
+
+Every figure is measured in one run on the machine that runs it, on the untrained tiny model built
+locally (no download) unless ``--model`` names another (an HF id, a folder, ``smollm2``):
+
+- ``prefill_tokens_per_s``: a prompt run alone (prefix reuse off), its tokens over the time;
+- ``decode_tokens_per_s``: one sequence, generated tokens over the time after its first token;
+- ``serving_speedup_N``: generated tokens/s with N requests at once ÷ the same requests one after
+  another, for N = 1, 2, 4, 8, 16 (1 is the check that batching of one costs nothing).
+
+Stop tokens are ignored here, so every request generates exactly ``--tokens`` tokens and the
+throughputs compare equal work; prompts differ per request (so the batch is padded).
+
+    python bench/perf.py [--quick] [--json FILE] [--model ID] [--dtype auto|float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from whet.runtime.hf import TransformersBackend
+from whet.runtime.policy import SamplingParams
+from whet.runtime.prefix import PrefixCache
+
+CONCURRENCY = (1, 2, 4, 8, 16)
+TOPICS = ("the weather in Paris", "my calendar tomorrow", "a short poem", "the train to Berlin",
+          "groceries for the week", "a birthday message", "the capital of Canada", "how to boil an egg")  # fmt: skip
+
+
+@dataclass
+class Plan:
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "cpu"
+    tokens: int = 48  # generated per request
+    prefill_tokens: int = 256
+    repeats: int = 3  # timings per figure; the median is reported
+    concurrency: tuple[int, ...] = CONCURRENCY
+
+
+@dataclass
+class Report:
+    command: str
+    machine: dict[str, object]
+    plan: dict[str, object]
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    sequential_tokens_per_s: float = 0.0
+    tokens_per_s: dict[str, float] = field(default_factory=dict)  # by concurrency
+    serving_speedup: dict[str, float] = field(default_factory=dict)  # by concurrency
+
+    def figures(self) -> dict[str, float]:
+        out = {"prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+        out |= {f"serving_speedup_{n}": v for n, v in self.serving_speedup.items()}
+        return out
+
+
+def messages(i: int, words: int = 0) -> list[dict[str, str]]:
+    """Request ``i``'s prompt: a different question each time, ``words`` more words of context."""
+    context = " ".join(f"note {k} about {TOPICS[k % len(TOPICS)]}." for k in range(words // 5))
+    question = f"Question {i}: tell me about {TOPICS[i % len(TOPICS)]}" + " please" * (i % 5)
+    return [{"role": "system", "content": "You are whet. " + context}, {"role": "user", "content": question}]
+
+
+async def _generated(backend: TransformersBackend, requests: list[int], tokens: int) -> tuple[int, float]:
+    """(tokens generated, seconds) for ``requests`` started together."""
+    params = [SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=i) for i in requests]
+    started = time.perf_counter()
+    done = await asyncio.gather(*(backend.generate(messages(i), [], p) for i, p in zip(requests, params, strict=True)))
+    return sum(len(g.token_ids) for g in done), time.perf_counter() - started
+
+
+async def measure(backend: TransformersBackend, plan: Plan, report: Report) -> Report:
+    backend.stop_token_ids = set()  # equal work per request: always --tokens tokens
+    backend.prefixes = PrefixCache(entries=0)  # every prompt is prefilled in full
+    await _generated(backend, [0], 4)  # warm-up
+
+    long = messages(0, words=plan.prefill_tokens)
+    prompt_tokens = len(backend.prompt_ids(long, []))
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    prefill = []
+    for _ in range(plan.repeats):
+        started = time.perf_counter()
+        await backend.generate(long, [], one)
+        prefill.append(time.perf_counter() - started)
+    report.prefill_tokens_per_s = prompt_tokens / statistics.median(prefill)
+
+    first, whole = [], []
+    for i in range(plan.repeats):
+        first.append((await _generated(backend, [i], 1))[1])
+        whole.append((await _generated(backend, [i], plan.tokens))[1])
+    report.decode_tokens_per_s = (plan.tokens - 1) / max(statistics.median(whole) - statistics.median(first), 1e-9)
+
+    widest = max(plan.concurrency)
+    sequential = [await _generated(backend, [i], plan.tokens) for i in range(max(plan.repeats, 4))]
+    report.sequential_tokens_per_s = sum(n for n, _ in sequential) / sum(s for _, s in sequential)
+    for n in plan.concurrency:
+        rates = []
+        for r in range(plan.repeats):
+            count, seconds = await _generated(backend, [r * widest + i for i in range(n)], plan.tokens)
+            rates.append(count / seconds)
+        report.tokens_per_s[str(n)] = statistics.median(rates)
+        report.serving_speedup[str(n)] = report.tokens_per_s[str(n)] / report.sequential_tokens_per_s
+    return report
+
+
+def machine(backend: TransformersBackend) -> dict[str, object]:
+    device = backend.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "device": str(device), "device_name": name, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "dtype": str(backend.model.dtype).removeprefix("torch."), "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+    }  # fmt: skip
+
+
+def load(plan: Plan) -> TransformersBackend:
+    from whet.config.settings import load_config
+    from whet.learner.model import resolve_source
+    from whet.learner.tiny import build_tiny_model
+
+    if plan.model == "tiny":
+        source = str(build_tiny_model(Path(tempfile.mkdtemp()) / "model"))
+    else:
+        source = resolve_source(plan.model, load_config().data_path)
+    return TransformersBackend(source, device=plan.device, dtype=plan.dtype, workers=max(plan.concurrency))
+
+
+def print_table(report: Report, console: Console) -> None:
+    m = report.machine
+    table = Table(title=f"serving on {report.plan['model']} ({m['device']} {m['device_name']}, {m['dtype']})")
+    for column in ("figure", "value", "what"):
+        table.add_column(column)
+    table.add_row("prefill_tokens_per_s", f"{report.prefill_tokens_per_s:.0f}", "one prompt, alone")
+    table.add_row("decode_tokens_per_s", f"{report.decode_tokens_per_s:.1f}", "one sequence")
+    table.add_row("sequential tokens/s", f"{report.sequential_tokens_per_s:.1f}", "requests one after another")
+    for n, speedup in report.serving_speedup.items():
+        table.add_row(f"serving_speedup_{n}", f"{speedup:.2f}", f"{report.tokens_per_s[n]:.1f} tokens/s, {n} at once")
+    console.print(table)
+    console.print(f"reproduce: {report.command}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--json", type=Path, help="write the figures, the command and the machine here")
+    parser.add_argument("--model", default="tiny", help="tiny (default), smollm2, an HF id or a model folder")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, auto")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="N values, comma-separated")
+    parser.add_argument("--tokens", type=int, help="tokens generated per request (default 48, --quick 12)")
+    args = parser.parse_args(argv)
+    plan = Plan(model=args.model, dtype=args.dtype, device=args.device)
+    plan.concurrency = tuple(int(n) for n in args.concurrency.split(","))
+    if args.quick:
+        plan.tokens, plan.prefill_tokens, plan.repeats = 12, 64, 1
+    if args.tokens:
+        plan.tokens = args.tokens
+    backend = load(plan)
+    command = shlex.join(["python", "bench/perf.py", *(sys.argv[1:] if argv is None else argv)])
+    report = Report(command=command, machine=machine(backend), plan=asdict(plan))
+    try:
+        asyncio.run(measure(backend, plan, report))
+    finally:
+        asyncio.run(backend.aclose())
+    print_table(report, Console(width=120))
+    if args.json:
+        args.json.write_text(json.dumps({**asdict(report), "figures": report.figures()}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
