@@ -13,6 +13,12 @@ them fail fast with a clear message. ``call`` never raises for tool problems:
 timeouts, errors, unknown names and bad arguments all come back as a
 :class:`ToolResult` with ``is_error=True`` that the model can read.
 
+Every call carries the user it acts for in the request's ``_meta`` under
+``whet/user`` (:data:`USER_META_KEY`), so a server that keeps personal data can
+keep users apart. A server tool named ``whet_forget_user`` (:data:`FORGET_TOOL`)
+is never shown to the model; :meth:`ToolPool.forget_user` calls it to delete a
+user's data on that server.
+
 Tool names exposed to the model match ``^[a-zA-Z0-9_-]{1,64}$``; when two
 servers offer the same name, both become ``server__tool``.
 """
@@ -49,6 +55,8 @@ log = structlog.get_logger(__name__)
 _NAME_LIMIT = 64
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
 _MAX_PAGES = 100
+USER_META_KEY = "whet/user"
+FORGET_TOOL = "whet_forget_user"
 
 
 @dataclass
@@ -184,8 +192,32 @@ class ToolPool:
             raise RuntimeError("ToolPool.wait_changed() needs a started pool")
         await self._changed.wait()
 
-    async def call(self, name: str, arguments: dict[str, Any] | Any) -> ToolResult:
-        """Call the tool the model knows as ``name``; never raises for tool problems."""
+    async def forget_user(self, user: str) -> dict[str, ToolResult]:
+        """Call every ready server's ``whet_forget_user`` for ``user``: server name -> its answer.
+
+        A server that is not ready is reported as an error result, so the caller can say what
+        could not be forgotten.
+        """
+        answers: dict[str, ToolResult] = {}
+        for link in self._links:
+            client, generation = link.client, link.generation
+            offers = FORGET_TOOL in [tool.name for tool in link.all_tools]
+            if link.status != "ready" or client is None:
+                if offers or not link.all_tools:  # may hold the user's data, and cannot be asked now
+                    answers[link.name] = ToolResult(link.unavailable(), True, link.name)
+                continue
+            if not offers:
+                continue
+            info = ToolInfo(FORGET_TOOL, link.name, FORGET_TOOL, "", {})
+            timeout = link.timeout or self.call_timeout
+            result = await self._send(link, client, generation, info, {}, timeout, user)
+            if not isinstance(result, ToolResult):
+                result = ToolResult(render_tool_result(result, self.max_result_chars), bool(result.is_error), link.name)
+            answers[link.name] = result
+        return answers
+
+    async def call(self, name: str, arguments: dict[str, Any] | Any, *, user: str | None = None) -> ToolResult:
+        """Call the tool the model knows as ``name`` for ``user``; never raises for tool problems."""
         entry = self._index.get(name)
         if entry is None:
             available = ", ".join(info.name for info in self.tools()) or "none"
@@ -198,7 +230,7 @@ class ToolPool:
         if link.status != "ready" or client is None:
             return ToolResult(link.unavailable(), True, link.name)
         timeout = link.timeout or self.call_timeout
-        result = await self._send(link, client, generation, info, parsed, timeout)
+        result = await self._send(link, client, generation, info, parsed, timeout, user)
         if isinstance(result, ToolResult):
             return result
         return ToolResult(render_tool_result(result, self.max_result_chars), bool(result.is_error), link.name)
@@ -211,6 +243,7 @@ class ToolPool:
         info: ToolInfo,
         arguments: dict[str, Any],
         timeout: float,
+        user: str | None,
     ) -> types.CallToolResult | ToolResult:
         def error(text: str) -> ToolResult:
             return ToolResult(text, True, link.name)
@@ -218,7 +251,10 @@ class ToolPool:
         timed_out = error(f"tool '{info.name}' timed out after {timeout:g}s")
         try:
             with anyio.move_on_after(timeout):
-                return await client.call_tool(info.remote_name, arguments, read_timeout_seconds=timeout)
+                meta = {USER_META_KEY: user} if user is not None else None
+                return await client.call_tool(
+                    info.remote_name, arguments, read_timeout_seconds=timeout, meta=meta  # type: ignore[arg-type]
+                )
         except MCPError as exc:
             if exc.code == types.REQUEST_TIMEOUT:
                 return timed_out
@@ -274,6 +310,7 @@ class _Link:
         self.error: str | None = None
         self.client: Client | None = None
         self.tools: list[types.Tool] = []
+        self.all_tools: list[types.Tool] = []  # as listed, the hidden forget tool included
         self.generation = 0
         self.closing = False
         self.attempted = anyio.Event()
@@ -393,7 +430,8 @@ class _Link:
             cursor = page.next_cursor
             if not cursor:
                 break
-        self.tools = [tool for tool in tools if self._exposed(tool.name)]
+        self.all_tools = tools
+        self.tools = [tool for tool in tools if tool.name != FORGET_TOOL and self._exposed(tool.name)]
 
     def _exposed(self, remote_name: str) -> bool:
         if self.spec is None:
