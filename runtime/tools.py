@@ -257,6 +257,7 @@ class ToolPool:
                 )
         except MCPError as exc:
             if exc.code == types.REQUEST_TIMEOUT:
+                link.suspect(generation, timeout)
                 return timed_out
             if exc.code == types.CONNECTION_CLOSED:
                 link.lose(generation, "the connection closed during a call")
@@ -265,6 +266,7 @@ class ToolPool:
         except Exception as exc:  # boundary: a tool problem must reach the model, not the agent loop
             log.warning("mcp.call.failed", server=link.name, tool=info.remote_name, error=_describe(exc))
             return error(f"tool '{info.name}' failed: {_describe(exc)}")
+        link.suspect(generation, timeout)
         return timed_out  # only reached when move_on_after cancelled the call
 
     def _on_change(self) -> None:
@@ -317,6 +319,7 @@ class _Link:
         self._wake = anyio.Event()
         self._stale = False
         self._lost: str | None = None
+        self._probe: float | None = None  # a call timed out: ping within this many seconds
 
     def unavailable(self) -> str:
         """Why a call to this server cannot go through right now."""
@@ -334,6 +337,17 @@ class _Link:
         if self.status == "ready":
             self.status = "restarting"
             self.on_change()
+        self._wake.set()
+
+    def suspect(self, generation: int, timeout: float) -> None:
+        """A call on connection ``generation`` timed out: the owner pings it and reconnects if it is dead.
+
+        A slow tool leaves a live server that answers the ping; a wedged process or a broken
+        read side answers nothing, and without this check would stay "ready" for good.
+        """
+        if generation != self.generation or self.closing or self._lost is not None:
+            return
+        self._probe = timeout
         self._wake.set()
 
     def tool_names(self) -> list[str]:
@@ -394,11 +408,35 @@ class _Link:
             self._wake = anyio.Event()
             if self._lost is not None:
                 raise ConnectionError(self._lost)
+            if self._probe is not None:
+                await self._ping(client, self._probe)
+                self._probe = None
             if self._stale:
                 self._stale = False
                 await self._list_tools(client)
                 self.on_change()
                 log.info("mcp.server.tools_changed", server=self.name, tools=self.tool_names())
+
+    async def _ping(self, client: Client, timeout: float) -> None:
+        """Raise ConnectionError when the server does not answer within ``timeout``.
+
+        The probe is a tools/list (ping is gone from the 2026-07-28 protocol); any answer,
+        an error included, shows the link alive.
+        """
+        problem = f"no answer within {timeout:g}s"
+        with anyio.move_on_after(timeout):
+            try:
+                await client.list_tools()
+                return
+            except MCPError as exc:
+                if exc.code not in (types.REQUEST_TIMEOUT, types.CONNECTION_CLOSED):
+                    return
+                problem = _describe(exc)
+            except Exception as exc:  # boundary: any other failure to answer means the link is dead
+                problem = _describe(exc)
+        self.status = "restarting"
+        self.on_change()
+        raise ConnectionError(f"the server stopped answering after a timed-out call ({problem})")
 
     def _client(self, generation: int) -> Client:
         target: Any = self.server
@@ -514,7 +552,10 @@ async def _open_transport(
     async with AsyncExitStack() as stack:
         if isinstance(transport, StdioTransport):
             command, args, env = transport.command, transport.args, transport.env or None
-            params = StdioServerParameters(command=command, args=args, env=env, cwd=transport.cwd)
+            # "replace": bytes that are not UTF-8 spoil one message at most, instead of killing the reader
+            params = StdioServerParameters(
+                command=command, args=args, env=env, cwd=transport.cwd, encoding_error_handler="replace"
+            )
             streams = stdio_client(params, errlog=_server_stderr())
         elif transport.type == "sse":
             streams = sse_client(transport.url, headers=transport.headers or None)
