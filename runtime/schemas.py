@@ -83,6 +83,13 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=1)
 
+    @field_validator("user")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("a user id cannot contain NUL bytes")
+        return v
+
     @field_validator("messages")
     @classmethod
     def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
