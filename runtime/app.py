@@ -24,7 +24,7 @@ from whet.config.settings import WhetConfig
 from whet.memory.tables import TurnPublic, new_turn_id
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
-from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware, UnexpectedErrorMiddleware
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
     ChatCompletionRequest,
@@ -34,6 +34,7 @@ from whet.runtime.schemas import (
     ModelCard,
     ModelList,
     ToolPublic,
+    invalid_text_at,
 )
 from whet.runtime.state import Resources, open_resources
 
@@ -87,6 +88,7 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
 
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)  # inside the request context, so its log line has the ids
     app.add_middleware(RequestContextMiddleware)
     _install_error_handlers(app)
     _install_routes(app)
@@ -117,11 +119,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", path=request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server log has details")
-
 
 def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
@@ -131,6 +128,7 @@ def _install_routes(app: FastAPI) -> None:
         auth_user: AuthDep,
         x_whet_session: Annotated[str | None, Header(max_length=128)] = None,
     ) -> Response:
+        _refuse_invalid_text(body)
         if body.model not in (res.model_name, res.backend.model_name):
             raise ApiError(
                 404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
@@ -153,6 +151,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.post("/v1/feedback", status_code=201)
     async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
+        _refuse_invalid_text(body)
         turn = await _owned_turn(res, body.turn_id, auth_user)
         row, closed = await res.experience.feedback(turn, body.numeric_score(), body.text)
         res.metrics.feedback.inc()
@@ -203,6 +202,12 @@ def _install_routes(app: FastAPI) -> None:
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _refuse_invalid_text(body: Any) -> None:
+    if (path := invalid_text_at(body)) is not None:
+        message = f"{path}: not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text"
+        raise ApiError(400, message, code="invalid_value", param=path)
 
 
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: request ids bound for logging, and a request body size cap."""
+"""Pure ASGI middleware: request ids bound for logging, a catch-all 500, and a request body size cap."""
 
 from __future__ import annotations
 
@@ -30,6 +30,49 @@ class RequestContextMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def error_body(message: str, code: str | None, kind: str = "invalid_request_error") -> bytes:
+    """An OpenAI-style error body."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with a 500 and *keeps the connection usable*.
+
+    Starlette's own catch-all (``exception_handler(Exception)``) re-raises after it sends the
+    500, and uvicorn then drops the connection, so a client's next request on that keep-alive
+    connection failed with a reset. Here the exception is logged and ends with the response.
+    Once a response has started (a stream) no status can be sent: it is re-raised, and the
+    server closes the connection, the only honest signal left.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            structlog.get_logger().exception("unhandled error", path=scope.get("path"))
+            message = f"internal error ({type(exc).__name__}); the server log has details"
+            body = error_body(message, None, "server_error")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:
@@ -66,16 +109,7 @@ class BodyLimitMiddleware:
         return f"request body is larger than {self.max_bytes} bytes (server.max_body_bytes)"
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": self._message(),
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "body_too_large",
-                }
-            }
-        ).encode()
+        body = error_body(self._message(), "body_too_large")
         await send(
             {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]}
         )

@@ -11,6 +11,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def invalid_text_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode (a lone surrogate such
+    as ``"\\ud800"``, which JSON can spell but no tokenizer, embedder or store can take), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_unset=True)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := invalid_text_at(key, path)) is not None:
+            return found
+        if (found := invalid_text_at(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str = "{}"

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
+import anyio
 import pytest
 
 from tests.test_api import chat_body, serve
 from whet.runtime.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from whet.learner.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.loopback)])
@@ -33,3 +43,76 @@ async def test_nul_bytes_in_what_is_said_are_stored_and_nul_ids_are_not_found(tm
         assert (await client.get("/v1/turns", params={"session": "s\x00", "user": "u\x00"})).json() == []
         refused = await client.post("/v1/chat/completions", json=chat_body("hi", user="al\x00ice"))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "user", refused.text
+
+
+@pytest.mark.parametrize(
+    ("path", "send"),
+    [
+        ("messages.0.content", lambda c: post_ascii(c, "/v1/chat/completions", tiny_body("a\ud800b"))),
+        ("user", lambda c: post_ascii(c, "/v1/chat/completions", tiny_body("hi", user="\udfff"))),
+        ("text", lambda c: post_ascii(c, "/v1/feedback", {"turn_id": "turn_x", "score": 1, "text": "x\ud800"})),
+    ],
+)
+async def test_a_lone_surrogate_with_the_in_process_model_is_a_400_naming_the_field(tmp_path, tiny_model_dir,
+                                                                                     path, send):  # fmt: skip
+    from whet.runtime.hf import TransformersBackend
+
+    backend = TransformersBackend(str(tiny_model_dir), model_name="tiny", workers=1)
+    async with serve(tmp_path, backend, model={"id": "tiny", "max_new_tokens": 4}) as (client, _):
+        response = await send(client)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == path and "unicode" in response.json()["error"]["message"].lower()
+        fine = await client.post("/v1/chat/completions", json=tiny_body("hello"))
+        assert fine.status_code == 200, fine.text
+
+
+def post_ascii(client, url: str, body: dict):
+    """JSON with \\u escapes, as a client sends a lone surrogate (httpx's own encoder cannot)."""
+    return client.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def tiny_body(content: str, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def http_exchange(stream, body: dict) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on an open connection, and its response (status, body); (0, b"") if the
+    server closed the connection instead of answering."""
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: whet\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()  # fmt: skip
+    await stream.send(head + payload)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive()
+        header, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+        return 0, b""
+    return int(header.split(b" ")[1]), rest
+
+
+@pytest.mark.loopback
+async def test_after_a_500_the_next_request_on_the_same_keep_alive_connection_is_served(tmp_path):
+    from tests.test_api import bundled_tools, make_config
+    from tests.test_tools import serving_over_http
+    from whet.memory.index import HashingEmbedder
+    from whet.runtime.app import create_app
+
+    def reply(messages, tools) -> str:
+        if messages[-1]["content"] == "boom":
+            raise RuntimeError("a bug in the serving path")
+        return "fine"
+
+    app = create_app(make_config(tmp_path), backend=ScriptedBackend(reply), tools=bundled_tools(tmp_path),
+                     embedder=HashingEmbedder())  # fmt: skip
+    async with serving_over_http(app) as port, await anyio.connect_tcp("127.0.0.1", port) as stream:
+        with anyio.fail_after(30):
+            status, body = await http_exchange(stream, chat_body("boom"))
+            assert status == 500 and b"RuntimeError" in body
+            for _ in range(2):  # the same connection, kept alive
+                status, body = await http_exchange(stream, chat_body("hello"))
+                assert status == 200, body
