@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -96,8 +96,19 @@ class ServerConfig(Section):
     port: int = Field(8000, ge=0, le=65535)
     # bearer API key -> user id; when empty, the request's `user` field or default_user
     api_keys: SecretKeys = Field(default_factory=dict)
+    # users whose keys are operator (admin) keys: they see every user's turns and may forget any user
+    admin_users: list[str] = Field(default_factory=list)
     default_user: str = "default"
     max_body_bytes: int = Field(1_000_000, gt=0)
+
+    @field_validator("admin_users")
+    @classmethod
+    def _admins_have_keys(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        users = set((info.data.get("api_keys") or {}).values())
+        keyless = [user for user in v if user not in users]
+        if keyless:
+            raise ValueError(f"{keyless[0]!r} is no user of a key in server.api_keys; map a key to it there")
+        return v
 
 
 class ModelConfig(Section):

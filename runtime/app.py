@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any
 
+import anyio
 import structlog
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from whet.config.settings import WhetConfig
 from whet.memory.tables import TurnPublic, new_turn_id
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
+from whet.runtime.forget import forget_user
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware, UnexpectedErrorMiddleware
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
@@ -75,6 +77,11 @@ def authenticated_user(request: Request, res: ResourcesDep) -> str | None:
 
 
 AuthDep = Annotated[str | None, Depends(authenticated_user)]
+
+
+def is_admin(res: Resources, auth_user: str | None) -> bool:
+    """An operator key (its user is in server.admin_users), or auth off (whoever reaches the port)."""
+    return auth_user is None or auth_user in res.config.server.admin_users
 
 
 def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
@@ -165,15 +172,32 @@ def _install_routes(app: FastAPI) -> None:
         user: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> list[TurnPublic]:
-        if auth_user is not None:
+        if not is_admin(res, auth_user):
             user = auth_user
         turns = await res.store.list_turns(session_id=session, user_id=user, limit=limit)
         return [TurnPublic.model_validate(t, from_attributes=True) for t in turns]
 
     @app.get("/v1/turns/{turn_id}")
     async def get_turn(turn_id: str, res: ResourcesDep, auth_user: AuthDep) -> TurnPublic:
-        turn = await _owned_turn(res, turn_id, auth_user)
+        turn = await _owned_turn(res, turn_id, None if is_admin(res, auth_user) else auth_user)
         return TurnPublic.model_validate(turn, from_attributes=True)
+
+    @app.delete("/v1/users/{user_id}")
+    async def forget(user_id: str, res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
+        """Forget a user: the user themselves, or an admin key."""
+        if auth_user != user_id and not is_admin(res, auth_user):
+            raise ApiError(403, f"only user '{user_id}' or an admin key may forget user '{user_id}'",
+                           code="forbidden", param="user_id")  # fmt: skip
+        report = await forget_user(user_id, store=res.store, bus=res.bus, tools=res.tools,
+                                   adapters_root=res.config.data_path / "adapters")  # fmt: skip
+        # this replica at once (the bus event reaches the others, and this one again, idempotently)
+        report.index = await anyio.to_thread.run_sync(res.index.remove_user, user_id)
+        await res.adapters.deactivate(user_id)
+        if not report.complete:
+            failed = "; ".join(f"{server}: {why}" for server, why in report.failed.items())
+            raise ApiError(502, f"user '{user_id}' is forgotten in the store, index and adapter files, but not yet "
+                           f"by tool servers ({failed}); call again to finish", code="forget_incomplete")  # fmt: skip
+        return report.public()
 
     @app.get("/v1/models")
     async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:

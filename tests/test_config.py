@@ -94,3 +94,10 @@ def test_every_field_that_names_a_secret_is_typed_as_one():
         return found
 
     assert untyped(WhetConfig, "") == []
+
+
+def test_an_admin_user_without_a_key_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"server": {"api_keys": {"sk-a": "alice"}, "admin_users": ["ops"]}})
+    assert err.value.key == "server.admin_users" and "'ops'" in err.value.problem
+    assert load_config(overrides={"server": {"api_keys": {"sk-o": "ops"}, "admin_users": ["ops"]}}).server.admin_users
