@@ -8,7 +8,6 @@ error a client can cause comes back as a 4xx with an OpenAI-style
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -18,6 +17,7 @@ import anyio
 import structlog
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +26,13 @@ from whet.memory.tables import TurnPublic, new_turn_id
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
 from whet.runtime.forget import forget_user
-from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware, UnexpectedErrorMiddleware
+from whet.runtime.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+    UnexpectedErrorMiddleware,
+    key_user,
+)
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
     ChatCompletionRequest,
@@ -67,12 +73,10 @@ def authenticated_user(request: Request, res: ResourcesDep) -> str | None:
     keys = res.config.server.api_keys
     if not keys:
         return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer":
-        for key, user in keys.items():
-            if hmac.compare_digest(key.encode(), token.strip().encode()):
-                structlog.contextvars.bind_contextvars(user=user)
-                return user
+    user = key_user(keys, request.headers.get("authorization", ""))
+    if user is not None:
+        structlog.contextvars.bind_contextvars(user=user)
+        return user
     raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
@@ -94,12 +98,40 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
             yield
 
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
+    app.state.api_keys = bool(config.server.api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_keys)  # before the body is read: 401 first
     app.add_middleware(UnexpectedErrorMiddleware)  # inside the request context, so its log line has the ids
     app.add_middleware(RequestContextMiddleware)
     _install_error_handlers(app)
     _install_routes(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, saying what the API really answers: bad input is a 400 with an OpenAI-style
+    error body (never FastAPI's 422), and with keys configured any route may answer 401."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorBody"] = ErrorBody.model_json_schema()
+    components["ErrorResponse"] = {
+        "type": "object", "required": ["error"], "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}},
+    }  # fmt: skip
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", **error}
+            if app.state.api_keys:
+                responses["401"] = {"description": "Missing or invalid API key", **error}
+    app.openapi_schema = schema
+    return schema
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -138,7 +170,7 @@ def _install_routes(app: FastAPI) -> None:
         _refuse_invalid_text(body)
         if body.model not in (res.model_name, res.backend.model_name):
             raise ApiError(
-                404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
+                404, f"model '{_echo(body.model)}' not found; this server serves '{res.model_name}'", code="model_not_found",
                 param="model",
             )
         request = await _turn_request(res, body, auth_user, x_whet_session)
@@ -186,7 +218,7 @@ def _install_routes(app: FastAPI) -> None:
     async def forget(user_id: str, res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
         """Forget a user: the user themselves, or an admin key."""
         if auth_user != user_id and not is_admin(res, auth_user):
-            raise ApiError(403, f"only user '{user_id}' or an admin key may forget user '{user_id}'",
+            raise ApiError(403, f"only user '{_echo(user_id)}' or an admin key may forget that user",
                            code="forbidden", param="user_id")  # fmt: skip
         report = await forget_user(user_id, store=res.store, bus=res.bus, tools=res.tools,
                                    adapters_root=res.config.data_path / "adapters")  # fmt: skip
@@ -228,6 +260,11 @@ def _install_routes(app: FastAPI) -> None:
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+def _echo(text: str, limit: int = 80) -> str:
+    """A client's value as an error message may repeat it: never more than ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _refuse_invalid_text(body: Any) -> None:
     if (path := invalid_text_at(body)) is not None:
         message = f"{path}: not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text"
@@ -237,7 +274,7 @@ def _refuse_invalid_text(body: Any) -> None:
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):
     turn = await res.store.get_turn(turn_id)
     if turn is None or (auth_user is not None and turn.user_id != auth_user):
-        raise ApiError(404, f"turn '{turn_id}' not found", code="turn_not_found", param="turn_id")
+        raise ApiError(404, f"turn '{_echo(turn_id)}' not found", code="turn_not_found", param="turn_id")
     return turn
 
 

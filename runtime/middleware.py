@@ -1,9 +1,11 @@
-"""Pure ASGI middleware: request ids bound for logging, a catch-all 500, and a request body size cap."""
+"""Pure ASGI middleware: request ids bound for logging, a catch-all 500, the API key check, a body size cap."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import uuid
+from collections.abc import Mapping
 
 import structlog
 from starlette.exceptions import HTTPException
@@ -73,6 +75,41 @@ class UnexpectedErrorMiddleware:
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": 500, "headers": headers})
             await send({"type": "http.response.body", "body": body})
+
+
+def key_user(keys: Mapping[str, str], authorization: str) -> str | None:
+    """The user a ``Bearer <key>`` header names (compared in constant time), else None."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    presented = token.strip().encode()
+    found = None
+    for key, user in keys.items():
+        if hmac.compare_digest(key.encode(), presented):
+            found = user
+    return found
+
+
+class ApiKeyMiddleware:
+    """With API keys configured, every path (docs and schema included) needs a valid key, and the
+    check comes first: a request without one is a 401 before its body is read or validated."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+        self.app = app
+        self.keys = dict(keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if key_user(self.keys, authorization) is not None:
+            await self.app(scope, receive, send)
+            return
+        body = error_body("missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key")
+        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:

@@ -116,3 +116,74 @@ async def test_after_a_500_the_next_request_on_the_same_keep_alive_connection_is
             for _ in range(2):  # the same connection, kept alive
                 status, body = await http_exchange(stream, chat_body("hello"))
                 assert status == 200, body
+
+
+KEYED = {"server": {"api_keys": {"sk-alice": "alice"}, "max_body_bytes": 4096}}
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/no/such/route"])
+async def test_docs_and_schema_need_the_key_when_keys_are_set(tmp_path, path):
+    async with serve(tmp_path, ScriptedBackend(["ok"]), **KEYED) as (client, _):
+        assert (await client.get(path)).status_code == 401
+        keyed = await client.get(path, headers={"Authorization": "Bearer sk-alice"})
+        assert keyed.status_code == (404 if path.startswith("/no/") else 200)
+
+
+@pytest.mark.parametrize(
+    "send",
+    [
+        lambda c: c.post("/v1/chat/completions", content=b"{not json"),
+        lambda c: c.post("/v1/chat/completions", json={"model": "scripted"}),
+        lambda c: c.post("/v1/chat/completions", content=b"x" * 10_000),
+        lambda c: c.post("/v1/feedback", json={"turn_id": "t", "score": 7}),
+    ],
+    ids=["bad-json", "invalid", "too-large", "bad-feedback"],
+)
+async def test_a_request_without_a_key_is_a_401_before_its_body_is_looked_at(tmp_path, send):
+    async with serve(tmp_path, ScriptedBackend(["ok"]), **KEYED) as (client, _):
+        response = await send(client)
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_the_openapi_schema_declares_the_400_the_api_returns_and_no_422(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        schema = (await client.get("/openapi.json")).json()
+        refused = await client.post("/v1/chat/completions", json={"model": "scripted"})
+    assert refused.status_code == 400
+    assert "422" not in json.dumps(schema["paths"])
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert chat["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "ErrorBody" in schema["components"]["schemas"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"turn_id": "t", "score": True}, "score", "not true/false"),
+        (chat_body("x") | {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages.0.content",
+         "has no type"),
+        (chat_body("x") | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages.0.content", "'image_url'"),
+        (chat_body("x") | {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "4"}]},
+         "messages.1", "tool_call_id"),
+    ],
+    ids=["bool-score", "part-without-type", "image-part", "tool-without-id"],
+)
+async def test_a_field_that_cannot_be_honoured_is_refused_by_name(tmp_path, body, param, fragment):
+    url = "/v1/feedback" if "turn_id" in body else "/v1/chat/completions"
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await client.post(url, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"]
+
+
+async def test_a_404_never_echoes_a_huge_id_in_full(tmp_path):
+    huge = "t" * 900_000
+    async with serve(tmp_path, ScriptedBackend(["ok"]), server={"max_body_bytes": 2_000_000}) as (client, _):
+        missing = await client.post("/v1/feedback", json={"turn_id": huge, "score": 1})
+        unknown_model = await client.post("/v1/chat/completions", json=chat_body("hi") | {"model": huge})
+    for response in (missing, unknown_model):
+        assert response.status_code == 404 and len(response.content) < 1000
+        assert "900000 characters" in response.json()["error"]["message"]
