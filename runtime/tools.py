@@ -26,7 +26,6 @@ servers offer the same name, both become ``server__tool``.
 from __future__ import annotations
 
 import re
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -49,6 +48,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from whet.config.mcp import HttpTransport, McpServerSpec, StdioTransport
 from whet.learner.prompt import openai_tool_spec, parse_arguments, render_tool_result
+from whet.runtime.stderr_relay import StderrRelay
 
 log = structlog.get_logger(__name__)
 
@@ -320,6 +320,7 @@ class _Link:
         self._stale = False
         self._lost: str | None = None
         self._probe: float | None = None  # a call timed out: ping within this many seconds
+        self.stderr: StderrRelay | None = None  # the current stdio process's stderr relay
 
     def unavailable(self) -> str:
         """Why a call to this server cannot go through right now."""
@@ -443,7 +444,7 @@ class _Link:
         if target is None:
             assert self.spec is not None
             closed = partial(self.lose, generation, "the connection closed")
-            target = _open_transport(self.spec.transport, closed)
+            target = _open_transport(self.spec.transport, closed, self)
         return Client(
             target,
             # bounds the handshake and listings; calls pass their own timeout
@@ -547,16 +548,19 @@ class _WatchedReadStream:
 
 @asynccontextmanager
 async def _open_transport(
-    transport: StdioTransport | HttpTransport, on_close: Callable[[], None]
+    transport: StdioTransport | HttpTransport, on_close: Callable[[], None], link: _Link
 ) -> AsyncIterator[tuple[Any, Any]]:
     async with AsyncExitStack() as stack:
+        relay = None
         if isinstance(transport, StdioTransport):
+            relay = link.stderr = StderrRelay(link.name)
+            stack.callback(relay.spawned)  # also when the spawn fails
             command, args, env = transport.command, transport.args, transport.env or None
             # "replace": bytes that are not UTF-8 spoil one message at most, instead of killing the reader
             params = StdioServerParameters(
                 command=command, args=args, env=env, cwd=transport.cwd, encoding_error_handler="replace"
             )
-            streams = stdio_client(params, errlog=_server_stderr())
+            streams = stdio_client(params, errlog=relay.writer)  # type: ignore[arg-type]
         elif transport.type == "sse":
             streams = sse_client(transport.url, headers=transport.headers or None)
         else:
@@ -564,16 +568,9 @@ async def _open_transport(
             http = await stack.enter_async_context(http_client)
             streams = streamable_http_client(transport.url, http_client=http)
         read_stream, write_stream = await stack.enter_async_context(streams)
+        if relay is not None:
+            relay.spawned()
         yield _WatchedReadStream(read_stream, on_close), write_stream
-
-
-def _server_stderr() -> Any:
-    """Server stderr goes to ours when it is a real file (not so under some test capture)."""
-    try:
-        sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return -3  # subprocess.DEVNULL
-    return sys.stderr
 
 
 def _safe_name(name: str) -> str:

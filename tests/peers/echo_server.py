@@ -1,4 +1,4 @@
-"""A small MCP server for pool tests: echo, whoami, structured, fail, slow, big, pid, grow, exit, garbage, wedge.
+"""A small MCP server for pool tests: echo, whoami, structured, fail, slow, big, pid, grow, exit, garbage, wedge, spew.
 
 Run as a stdio server with ``python tests/peers/echo_server.py`` (add
 ``--handshake-only`` to speak only the pre-2026 handshake era); import
@@ -77,6 +77,14 @@ def build_server(name: str = "echo") -> MCPServer:
         wire = claim.private_fd if claim is not None and claim.private_fd is not None else 1
         os.write(wire, b"\xff\xfe\x80 not utf-8" + (b"\n" if newline else b""))
         return "wrote garbage"
+
+    @server.tool()
+    def spew(lines: int, size: int) -> str:
+        """Write ``lines`` lines of ``size`` bytes of garbage (control characters, invalid UTF-8) to stderr."""
+        line = (b"\x1b[31m\x00\xff" + b"g" * size)[:size] + b"\n"
+        for _ in range(lines):
+            os.write(2, line)
+        return "spewed"
 
     @server.tool()
     async def wedge() -> str:
