@@ -130,3 +130,38 @@ async def test_a_replica_drops_a_forgotten_users_lessons_when_the_event_arrives(
         await res.bus.publish(USER_FORGOTTEN, {"user_id": "carol"})  # e.g. from `whet forget` on another machine
         with anyio.fail_after(10):
             await res.follower.wait_until(lambda: not res.index.search("carol", "Lisbon", 3))
+
+
+async def test_user_b_cannot_reach_user_a_through_turns_sessions_lessons_or_adapters(tmp_path):
+    backend = ScriptedBackend(lambda messages, tools: "ok")
+    config = {"server": {"api_keys": KEYS}, "learner": {"enabled": False, "scope": "user"}}
+    async with serve(tmp_path, backend, **config) as (client, res):
+        first = await client.post("/v1/chat/completions", json=chat_body("my secret is 4711"), headers=ALICE)
+        alice_turn, alice_session = first.json()["id"], first.headers["x-whet-session"]
+        lesson = await res.store.add_lesson("alice", "alice's bank PIN is 4711")
+        res.index.add(lesson.id, "alice", lesson.text)
+        await res.adapters.activate("user-alice-0001", str(tmp_path / "adapter"), "alice")
+
+        # listing and reading
+        listed = await client.get("/v1/turns", params={"user": "alice", "session": alice_session}, headers=BOB)
+        assert listed.status_code == 200 and listed.json() == []
+        assert (await client.get(f"/v1/turns/{alice_turn}", headers=BOB)).status_code == 404
+        assert (await client.post("/v1/feedback", json={"turn_id": alice_turn, "score": -1},
+                                  headers=BOB)).status_code == 404  # fmt: skip
+        # joining her session, by name or by replaying her conversation
+        named = await client.post("/v1/chat/completions", json=chat_body("hi"),
+                                  headers={**BOB, "X-Whet-Session": alice_session})  # fmt: skip
+        assert named.status_code == 403
+        replay = await client.post("/v1/chat/completions", json=chat_body("my secret is 4711", "ok", "and?"),
+                                   headers=BOB)  # fmt: skip
+        assert replay.status_code == 200 and replay.headers["x-whet-session"] != alice_session
+        # her lessons and her adapter, even when bob claims to be her in the `user` field
+        asked = await client.post("/v1/chat/completions", json=chat_body("what is my PIN?", user="alice"),
+                                  headers=BOB)  # fmt: skip
+        assert asked.status_code == 200
+        assert "4711" not in backend.calls[-1].messages[0]["content"] and backend.calls[-1].adapter is None
+        assert (await client.get("/v1/models", headers=BOB)).json()["data"][0]["adapter"] is None
+        assert (await client.get("/v1/models", headers=ALICE)).json()["data"][0]["adapter"] == "user-alice-0001"
+        # nothing of hers changed
+        assert (await res.store.get_turn(alice_turn)).closed_at is None
+        assert [t.user_id for t in await res.store.list_turns(session_id=alice_session)] == ["alice"]
