@@ -7,7 +7,9 @@ Search matches every word of the query as a case-insensitive substring of the te
 
 Every note belongs to one user: the caller named by the request's ``_meta["whet/user"]`` (how
 whet passes the user it serves to MCP servers). A caller that names no user (the server run
-alone, under a desktop client) gets one default namespace of its own. Ids are shared across
+alone, under a desktop client) acts for the user "default", whet's own default user when it runs
+without API keys: one person's whet and desktop client share that notebook, and notes written
+before users existed belong to it. Ids are shared across
 users but an id of another user's note answers exactly as an unknown id does, so nothing of one
 user is visible to another. ``whet_forget_user`` deletes every note of the calling user; whet
 calls it when a user is forgotten and never shows it to a model.
@@ -39,7 +41,9 @@ DEFAULT_LIST = "inbox"
 DEFAULT_DB_PATH = "~/.local/share/whet/notes.db"
 USER_META_KEY = "whet/user"  # the request _meta key whet sends the calling user under
 FORGET_TOOL = "whet_forget_user"
-STANDALONE_OWNER = ""  # the namespace of callers that name no user
+# the namespace of callers that name no user; the same name as whet's default user (server.default_user),
+# so a single-user whet and a desktop client on the same notebook share it, and notes from before users
+STANDALONE_OWNER = "default"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS notes (
@@ -49,7 +53,7 @@ CREATE TABLE IF NOT EXISTS notes (
     kind TEXT NOT NULL CHECK (kind IN ('note', 'todo')),
     created_at TEXT NOT NULL,
     completed_at TEXT,
-    owner TEXT NOT NULL DEFAULT ''
+    owner TEXT NOT NULL DEFAULT 'default'
 );
 """
 _OWNER_INDEX = "CREATE INDEX IF NOT EXISTS notes_by_owner ON notes (owner, list, kind)"
@@ -87,11 +91,16 @@ class Forgotten(BaseModel):
     deleted: int = Field(description="How many notes and todos were deleted.")
 
 
-def caller(ctx: Context | None) -> str:
-    """The user a request acts for: ``_meta["whet/user"]``, else the standalone namespace."""
+def named_user(ctx: Context | None) -> str | None:
+    """The user named in the request's ``_meta["whet/user"]``, if any."""
     meta = ctx.request_context.meta if ctx is not None else None
     user = (meta or {}).get(USER_META_KEY)
-    return user if isinstance(user, str) and user else STANDALONE_OWNER
+    return user if isinstance(user, str) and user else None
+
+
+def caller(ctx: Context | None) -> str:
+    """The user a request acts for: the one it names, else the standalone namespace."""
+    return named_user(ctx) or STANDALONE_OWNER
 
 
 def _list_name(name: str) -> str:
@@ -126,7 +135,7 @@ class NoteBook:
             self._db.executescript(_SCHEMA)
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(notes)")}
             if "owner" not in columns:  # a notebook from before users: its notes go to the standalone namespace
-                self._db.execute("ALTER TABLE notes ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+                self._db.execute("ALTER TABLE notes ADD COLUMN owner TEXT NOT NULL DEFAULT 'default'")
             self._db.execute(_OWNER_INDEX)
 
     def _stamp(self) -> str:
@@ -285,8 +294,8 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
 
         For the operator's "forget this user"; refused when the request names no user.
         """
-        owner = caller(ctx)
-        if owner == STANDALONE_OWNER:
+        owner = named_user(ctx)
+        if owner is None:
             raise NoteError(f"Name the user to forget in the request's _meta['{USER_META_KEY}'].")
         return Forgotten(user=owner, deleted=notebook.forget(owner))
 

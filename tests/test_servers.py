@@ -376,6 +376,11 @@ async def test_notes_are_kept_apart_per_user_named_in_the_request_meta() -> None
         assert (await client.call_tool("list_notes", {}, meta=alice)).structured_content["count"] == 0
         assert (await client.call_tool("whet_forget_user", {})).is_error  # no user named: nothing wiped
         assert (await client.call_tool("list_notes", {})).structured_content["count"] == 1
+        # whet's default user (keys off) is the standalone namespace, and can be forgotten by name
+        default = await client.call_tool("list_notes", {}, meta={"whet/user": "default"})
+        assert [n["text"] for n in default.structured_content["notes"]] == ["standalone note"]
+        assert (await client.call_tool("whet_forget_user", {}, meta={"whet/user": "default"})).structured_content[
+            "deleted"] == 1  # fmt: skip
 
 
 def test_a_notebook_from_before_users_keeps_its_notes_in_the_standalone_namespace(tmp_path) -> None:
@@ -388,7 +393,7 @@ def test_a_notebook_from_before_users_keeps_its_notes_in_the_standalone_namespac
         db.execute("INSERT INTO notes (text, list, kind, created_at) VALUES ('old', 'inbox', 'note', 'x')")
     book = notes.NoteBook(path)
     try:
-        assert [n.text for n in book.find("", [], None, None, True, 10).notes] == ["old"]
+        assert [n.text for n in book.find(notes.STANDALONE_OWNER, [], None, None, True, 10).notes] == ["old"]
         assert book.find("alice", [], None, None, True, 10).count == 0
     finally:
         book.close()
