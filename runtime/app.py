@@ -217,6 +217,8 @@ def _install_routes(app: FastAPI) -> None:
     @app.delete("/v1/users/{user_id}")
     async def forget(user_id: str, res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
         """Forget a user: the user themselves, or an admin key."""
+        if "\x00" in user_id:
+            raise ApiError(400, "user_id: a user id cannot contain NUL bytes", code="invalid_value", param="user_id")
         if auth_user != user_id and not is_admin(res, auth_user):
             raise ApiError(403, f"only user '{_echo(user_id)}' or an admin key may forget that user",
                            code="forbidden", param="user_id")  # fmt: skip
@@ -227,7 +229,7 @@ def _install_routes(app: FastAPI) -> None:
         await res.adapters.deactivate(user_id)
         if not report.complete:
             failed = "; ".join(f"{server}: {why}" for server, why in report.failed.items())
-            raise ApiError(502, f"user '{user_id}' is forgotten in the store, index and adapter files, but not yet "
+            raise ApiError(502, f"user '{_echo(user_id)}' is forgotten in the store, index and adapter files, but not yet "
                            f"by tool servers ({failed}); call again to finish", code="forget_incomplete")  # fmt: skip
         return report.public()
 

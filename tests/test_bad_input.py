@@ -43,6 +43,7 @@ async def test_nul_bytes_in_what_is_said_are_stored_and_nul_ids_are_not_found(tm
         assert (await client.get("/v1/turns", params={"session": "s\x00", "user": "u\x00"})).json() == []
         refused = await client.post("/v1/chat/completions", json=chat_body("hi", user="al\x00ice"))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "user", refused.text
+        assert (await client.delete("/v1/users/al%00ice")).json()["error"]["param"] == "user_id"
 
 
 @pytest.mark.parametrize(
