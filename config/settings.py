@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -30,6 +31,62 @@ class ConfigError(Exception):
         super().__init__(message)
 
 
+MASK = "***"
+
+
+class _SecretValue:
+    """Field marker: the whole value is a secret (an API key)."""
+
+    def mask(self, value: Any) -> Any:
+        return MASK if value else value
+
+
+class _SecretKeys:
+    """Field marker: a mapping whose keys are secrets (API key -> user)."""
+
+    def mask(self, value: Any) -> Any:
+        return [f"{MASK} -> {user}" for user in value.values()]
+
+
+class _UrlWithSecret:
+    """Field marker: a URL whose password (``scheme://user:password@host``) is a secret."""
+
+    def mask(self, value: Any) -> Any:
+        if not value:
+            return value
+        try:
+            parts = urlsplit(value)
+            password = parts.password
+        except ValueError:  # not parseable as a URL: it may hold anything, show none of it
+            return MASK
+        if password is None:
+            return value
+        host = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{MASK}@{host}"))
+
+
+Secret = Annotated[str | None, _SecretValue()]
+"""A secret string: masked wherever the config is logged (:meth:`WhetConfig.redacted`)."""
+SecretUrl = Annotated[str | None, _UrlWithSecret()]
+"""A URL that may carry a password: the password is masked wherever the config is logged."""
+SecretKeys = Annotated[dict[str, str], _SecretKeys()]
+"""Secret keys mapping to what they stand for (API key -> user): keys masked when logged."""
+_MARKERS = (_SecretValue, _SecretKeys, _UrlWithSecret)
+
+
+def redact(model: BaseModel) -> dict[str, Any]:
+    """``model`` as JSON-ready data with every field typed Secret, SecretUrl or SecretKeys masked."""
+    data = model.model_dump(mode="json")
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        marker = next((m for m in info.metadata if isinstance(m, _MARKERS)), None)
+        if marker is not None:
+            data[name] = marker.mask(data[name])
+        elif isinstance(value, BaseModel):
+            data[name] = redact(value)
+    return data
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -38,9 +95,20 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # bearer API key -> user id; when empty, the request's `user` field or default_user
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    api_keys: SecretKeys = Field(default_factory=dict)
+    # users whose keys are operator (admin) keys: they see every user's turns and may forget any user
+    admin_users: list[str] = Field(default_factory=list)
     default_user: str = "default"
     max_body_bytes: int = Field(1_000_000, gt=0)
+
+    @field_validator("admin_users")
+    @classmethod
+    def _admins_have_keys(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        users = set((info.data.get("api_keys") or {}).values())
+        keyless = [user for user in v if user not in users]
+        if keyless:
+            raise ValueError(f"{keyless[0]!r} is no user of a key in server.api_keys; map a key to it there")
+        return v
 
 
 class ModelConfig(Section):
@@ -59,8 +127,8 @@ class ModelConfig(Section):
     temperature: float = Field(0.7, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     # remote backends (openai, vllm)
-    base_url: str | None = None
-    api_key: str | None = None
+    base_url: SecretUrl = None
+    api_key: Secret = None
     request_timeout: float = Field(120.0, gt=0)
     # in-process generation worker threads: requests beyond this wait, never the event loop
     workers: int = Field(2, ge=1)
@@ -100,12 +168,12 @@ class McpConfig(Section):
 
 class StoreConfig(Section):
     # SQLAlchemy URL; None means SQLite (WAL) at <data_dir>/whet.db
-    url: str | None = None
+    url: SecretUrl = None
 
 
 class BusConfig(Section):
     # None: in-process bus; mqtt://host:port[/prefix]: MQTT broker
-    url: str | None = None
+    url: SecretUrl = None
     client_id: str | None = None
 
     @field_validator("url")
@@ -124,9 +192,9 @@ class JudgeConfig(Section):
     # rules: feedback, tool errors, corrections and thanks; rules+llm: an LLM judges what rules leave at 0
     kind: Literal["rules", "rules+llm"] = "rules"
     # the LLM judge's OpenAI-compatible endpoint; None = the served model itself
-    base_url: str | None = None
+    base_url: SecretUrl = None
     model: str | None = None
-    api_key: str | None = None
+    api_key: Secret = None
     votes: int = Field(3, ge=1, le=15)
     temperature: float = Field(0.7, ge=0.0)
 
@@ -242,12 +310,8 @@ class WhetConfig(BaseSettings):
         return self.mcp.config.expanduser() if self.mcp.config else shipped_path("mcp.json")
 
     def redacted(self) -> dict[str, Any]:
-        """The config as logged at start: secrets masked."""
-        data = self.model_dump(mode="json")
-        data["server"]["api_keys"] = [f"*** -> {user}" for user in data["server"]["api_keys"].values()]
-        if data["model"]["api_key"]:
-            data["model"]["api_key"] = "***"
-        return data
+        """The config as logged at start: every field typed as a secret is masked."""
+        return redact(self)
 
 
 def shipped_path(name: str) -> Path:

@@ -176,13 +176,24 @@ class Learner:
         done = 0
         while turns := await self.store.unjudged_turns(limit=256):
             for turn in turns:
-                await self.judge_turn(turn.id)
+                await self._judge_or_mark(turn)
             done += len(turns)
             if len(turns) < 256:
                 break
         return done
 
     # -- judging --------------------------------------------------------------
+
+    async def _judge_or_mark(self, turn: Turn) -> None:
+        """Judge one turn; one that fails is logged and marked with a neutral, untrainable verdict,
+        so a single bad row never stops the catch-up (nor keeps ``busy`` set for good). Explicit
+        feedback later judges it again. When even the mark fails (the store is down), the round fails."""
+        try:
+            await self.judge_turn(turn.id)
+        except Exception as exc:
+            log.exception("judging a turn failed; marked unjudged and skipped", turn=turn.id)
+            failed = Verdict(0, None, f"judging failed: {type(exc).__name__}", "failed")
+            await self._save(turn, failed)
 
     async def judge_turn(self, turn_id: str, *, rejudge: bool = False) -> Judgment | None:
         """Give a closed turn its verdict (again, when ``rejudge``: explicit feedback arrived)."""

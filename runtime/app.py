@@ -8,15 +8,16 @@ error a client can cause comes back as a 4xx with an OpenAI-style
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any
 
+import anyio
 import structlog
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,7 +25,14 @@ from whet.config.settings import WhetConfig
 from whet.memory.tables import TurnPublic, new_turn_id
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
-from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from whet.runtime.forget import forget_user
+from whet.runtime.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+    UnexpectedErrorMiddleware,
+    key_user,
+)
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
     ChatCompletionRequest,
@@ -34,6 +42,7 @@ from whet.runtime.schemas import (
     ModelCard,
     ModelList,
     ToolPublic,
+    invalid_text_at,
 )
 from whet.runtime.state import Resources, open_resources
 
@@ -64,16 +73,19 @@ def authenticated_user(request: Request, res: ResourcesDep) -> str | None:
     keys = res.config.server.api_keys
     if not keys:
         return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer":
-        for key, user in keys.items():
-            if hmac.compare_digest(key.encode(), token.strip().encode()):
-                structlog.contextvars.bind_contextvars(user=user)
-                return user
+    user = key_user(keys, request.headers.get("authorization", ""))
+    if user is not None:
+        structlog.contextvars.bind_contextvars(user=user)
+        return user
     raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 AuthDep = Annotated[str | None, Depends(authenticated_user)]
+
+
+def is_admin(res: Resources, auth_user: str | None) -> bool:
+    """An operator key (its user is in server.admin_users), or auth off (whoever reaches the port)."""
+    return auth_user is None or auth_user in res.config.server.admin_users
 
 
 def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
@@ -86,11 +98,40 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
             yield
 
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
+    app.state.api_keys = bool(config.server.api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_keys)  # before the body is read: 401 first
+    app.add_middleware(UnexpectedErrorMiddleware)  # inside the request context, so its log line has the ids
     app.add_middleware(RequestContextMiddleware)
     _install_error_handlers(app)
     _install_routes(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, saying what the API really answers: bad input is a 400 with an OpenAI-style
+    error body (never FastAPI's 422), and with keys configured any route may answer 401."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorBody"] = ErrorBody.model_json_schema()
+    components["ErrorResponse"] = {
+        "type": "object", "required": ["error"], "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}},
+    }  # fmt: skip
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", **error}
+            if app.state.api_keys:
+                responses["401"] = {"description": "Missing or invalid API key", **error}
+    app.openapi_schema = schema
+    return schema
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -117,11 +158,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", path=request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server log has details")
-
 
 def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
@@ -131,9 +167,10 @@ def _install_routes(app: FastAPI) -> None:
         auth_user: AuthDep,
         x_whet_session: Annotated[str | None, Header(max_length=128)] = None,
     ) -> Response:
+        _refuse_invalid_text(body)
         if body.model not in (res.model_name, res.backend.model_name):
             raise ApiError(
-                404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
+                404, f"model '{_echo(body.model)}' not found; this server serves '{res.model_name}'", code="model_not_found",
                 param="model",
             )
         request = await _turn_request(res, body, auth_user, x_whet_session)
@@ -153,6 +190,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.post("/v1/feedback", status_code=201)
     async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
+        _refuse_invalid_text(body)
         turn = await _owned_turn(res, body.turn_id, auth_user)
         row, closed = await res.experience.feedback(turn, body.numeric_score(), body.text)
         res.metrics.feedback.inc()
@@ -166,15 +204,34 @@ def _install_routes(app: FastAPI) -> None:
         user: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> list[TurnPublic]:
-        if auth_user is not None:
+        if not is_admin(res, auth_user):
             user = auth_user
         turns = await res.store.list_turns(session_id=session, user_id=user, limit=limit)
         return [TurnPublic.model_validate(t, from_attributes=True) for t in turns]
 
     @app.get("/v1/turns/{turn_id}")
     async def get_turn(turn_id: str, res: ResourcesDep, auth_user: AuthDep) -> TurnPublic:
-        turn = await _owned_turn(res, turn_id, auth_user)
+        turn = await _owned_turn(res, turn_id, None if is_admin(res, auth_user) else auth_user)
         return TurnPublic.model_validate(turn, from_attributes=True)
+
+    @app.delete("/v1/users/{user_id}")
+    async def forget(user_id: str, res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
+        """Forget a user: the user themselves, or an admin key."""
+        if "\x00" in user_id:
+            raise ApiError(400, "user_id: a user id cannot contain NUL bytes", code="invalid_value", param="user_id")
+        if auth_user != user_id and not is_admin(res, auth_user):
+            raise ApiError(403, f"only user '{_echo(user_id)}' or an admin key may forget that user",
+                           code="forbidden", param="user_id")  # fmt: skip
+        report = await forget_user(user_id, store=res.store, bus=res.bus, tools=res.tools,
+                                   adapters_root=res.config.data_path / "adapters")  # fmt: skip
+        # this replica at once (the bus event reaches the others, and this one again, idempotently)
+        report.index = await anyio.to_thread.run_sync(res.index.remove_user, user_id)
+        await res.adapters.deactivate(user_id)
+        if not report.complete:
+            failed = "; ".join(f"{server}: {why}" for server, why in report.failed.items())
+            raise ApiError(502, f"user '{_echo(user_id)}' is forgotten in the store, index and adapter files, but not yet "
+                           f"by tool servers ({failed}); call again to finish", code="forget_incomplete")  # fmt: skip
+        return report.public()
 
     @app.get("/v1/models")
     async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:
@@ -205,10 +262,21 @@ def _install_routes(app: FastAPI) -> None:
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+def _echo(text: str, limit: int = 80) -> str:
+    """A client's value as an error message may repeat it: never more than ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _refuse_invalid_text(body: Any) -> None:
+    if (path := invalid_text_at(body)) is not None:
+        message = f"{path}: not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text"
+        raise ApiError(400, message, code="invalid_value", param=path)
+
+
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):
     turn = await res.store.get_turn(turn_id)
     if turn is None or (auth_user is not None and turn.user_id != auth_user):
-        raise ApiError(404, f"turn '{turn_id}' not found", code="turn_not_found", param="turn_id")
+        raise ApiError(404, f"turn '{_echo(turn_id)}' not found", code="turn_not_found", param="turn_id")
     return turn
 
 

@@ -1,4 +1,4 @@
-"""The ``whet`` command line: serve, learn, adapters, tools, turns, chat, bench.
+"""The ``whet`` command line: serve, learn, adapters, tools, turns, forget, chat, bench.
 
 Config problems end with one line naming the key and the fix, exit code 2.
 """
@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     turns.add_argument("--limit", type=int, default=20)
     turns.add_argument("--follow", "-f", action="store_true", help="keep printing new turns as they are recorded")
     turns.set_defaults(run=_turns)
+
+    forget = sub.add_parser("forget", help="delete everything of a user: turns, feedback, verdicts, sessions, "
+                            "lessons, notes (through the tool servers) and per-user adapter files")  # fmt: skip
+    _config_arg(forget)
+    forget.add_argument("user", help="the user id")
+    forget.set_defaults(run=_forget)
 
     chat = sub.add_parser("chat", help="chat in the terminal with a running whet server")
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
@@ -327,6 +333,41 @@ def _turns(args: argparse.Namespace) -> int:
 
     anyio.run(show)
     return 0
+
+
+def _forget(args: argparse.Namespace) -> int:
+    import anyio
+
+    from whet.memory.bus import open_bus
+    from whet.memory.store import open_store
+    from whet.runtime.forget import forget_user
+    from whet.runtime.state import configured_tool_pool
+
+    config = _load(args)
+    pool = configured_tool_pool(config)
+
+    async def run() -> Any:
+        store = open_store(config.store_url)
+        bus = open_bus(config.bus.url, config.bus.client_id)
+        await bus.start()
+        try:
+            async with pool:
+                return await forget_user(args.user, store=store, bus=bus, tools=pool,
+                                         adapters_root=config.data_path / "adapters")  # fmt: skip
+        finally:
+            await bus.aclose()
+            await store.aclose()
+
+    report = anyio.run(run)
+    rows = ", ".join(f"{n} {table}" for table, n in report.store.items() if n)
+    print(f"forgot user {args.user}: {rows or 'no rows'} from the store; {len(report.adapter_files)} adapter folders; "
+          f"tool servers: {', '.join(report.tools) or 'none that keep user data'}")  # fmt: skip
+    if config.bus.url is None:
+        print("note: with the in-process bus a running `whet serve` keeps this user's lessons in memory until it "
+              "restarts; forget through DELETE /v1/users/<id> on it instead", file=sys.stderr)  # fmt: skip
+    for server, why in report.failed.items():
+        print(f"whet: server {server} could not forget {args.user}: {why}; run `whet forget` again", file=sys.stderr)
+    return 0 if report.complete else 1
 
 
 def _print_turn(turn: Any) -> None:

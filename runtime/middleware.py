@@ -1,9 +1,11 @@
-"""Pure ASGI middleware: request ids bound for logging, and a request body size cap."""
+"""Pure ASGI middleware: request ids bound for logging, a catch-all 500, the API key check, a body size cap."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import uuid
+from collections.abc import Mapping
 
 import structlog
 from starlette.exceptions import HTTPException
@@ -30,6 +32,84 @@ class RequestContextMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def error_body(message: str, code: str | None, kind: str = "invalid_request_error") -> bytes:
+    """An OpenAI-style error body."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with a 500 and *keeps the connection usable*.
+
+    Starlette's own catch-all (``exception_handler(Exception)``) re-raises after it sends the
+    500, and uvicorn then drops the connection, so a client's next request on that keep-alive
+    connection failed with a reset. Here the exception is logged and ends with the response.
+    Once a response has started (a stream) no status can be sent: it is re-raised, and the
+    server closes the connection, the only honest signal left.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            structlog.get_logger().exception("unhandled error", path=scope.get("path"))
+            message = f"internal error ({type(exc).__name__}); the server log has details"
+            body = error_body(message, None, "server_error")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+
+def key_user(keys: Mapping[str, str], authorization: str) -> str | None:
+    """The user a ``Bearer <key>`` header names (compared in constant time), else None."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    presented = token.strip().encode()
+    found = None
+    for key, user in keys.items():
+        if hmac.compare_digest(key.encode(), presented):
+            found = user
+    return found
+
+
+class ApiKeyMiddleware:
+    """With API keys configured, every path (docs and schema included) needs a valid key, and the
+    check comes first: a request without one is a 401 before its body is read or validated."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+        self.app = app
+        self.keys = dict(keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if key_user(self.keys, authorization) is not None:
+            await self.app(scope, receive, send)
+            return
+        body = error_body("missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key")
+        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:
@@ -66,16 +146,7 @@ class BodyLimitMiddleware:
         return f"request body is larger than {self.max_bytes} bytes (server.max_body_bytes)"
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": self._message(),
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "body_too_large",
-                }
-            }
-        ).encode()
+        body = error_body(self._message(), "body_too_large")
         await send(
             {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]}
         )

@@ -11,6 +11,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def invalid_text_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode (a lone surrogate such
+    as ``"\\ud800"``, which JSON can spell but no tokenizer, embedder or store can take), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_unset=True)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := invalid_text_at(key, path)) is not None:
+            return found
+        if (found := invalid_text_at(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str = "{}"
@@ -22,22 +42,49 @@ class ToolCallWire(BaseModel):
     function: FunctionCall
 
 
+class TextPart(BaseModel):
+    """One part of list content. Only text is read (the served models read text): a part of any
+    other type is refused by name rather than dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="'text'; other part types (images, audio) are refused")
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for n, part in enumerate(v if isinstance(v, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is None:
+                raise ValueError(f"content part {n} has no type; send {{\"type\": \"text\", \"text\": ...}}")
+            if kind != "text":
+                raise ValueError(f"content part {n} is of type {kind!r}; only text parts are read")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_results_name_their_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def text(self) -> str:
-        """Content as plain text: list-of-parts content keeps its text parts."""
+        """Content as plain text: list-of-parts content joins its text parts."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content)
 
     def to_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
@@ -82,6 +129,13 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=1)
+
+    @field_validator("user")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("a user id cannot contain NUL bytes")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -138,11 +192,18 @@ class FeedbackRequest(BaseModel):
     thumbs: Literal["up", "down"] | None = None
     text: str | None = Field(None, max_length=8000)
 
+    @field_validator("score", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # JSON true is not the number 1
+            raise ValueError("give a number from -1 to 1 or 'up'/'down', not true/false")
+        return v
+
     @model_validator(mode="after")
     def _has_signal(self) -> FeedbackRequest:
         if self.score is None and self.thumbs is None and not self.text:
             raise ValueError("give a score (-1..1), thumbs ('up'|'down') or a text")
-        if isinstance(self.score, float) and not -1.0 <= self.score <= 1.0:
+        if isinstance(self.score, (int, float)) and not -1.0 <= self.score <= 1.0:
             raise ValueError("score must be between -1 and 1")
         return self
 

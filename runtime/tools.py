@@ -13,6 +13,12 @@ them fail fast with a clear message. ``call`` never raises for tool problems:
 timeouts, errors, unknown names and bad arguments all come back as a
 :class:`ToolResult` with ``is_error=True`` that the model can read.
 
+Every call carries the user it acts for in the request's ``_meta`` under
+``whet/user`` (:data:`USER_META_KEY`), so a server that keeps personal data can
+keep users apart. A server tool named ``whet_forget_user`` (:data:`FORGET_TOOL`)
+is never shown to the model; :meth:`ToolPool.forget_user` calls it to delete a
+user's data on that server.
+
 Tool names exposed to the model match ``^[a-zA-Z0-9_-]{1,64}$``; when two
 servers offer the same name, both become ``server__tool``.
 """
@@ -20,7 +26,6 @@ servers offer the same name, both become ``server__tool``.
 from __future__ import annotations
 
 import re
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -43,12 +48,15 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from whet.config.mcp import HttpTransport, McpServerSpec, StdioTransport
 from whet.learner.prompt import openai_tool_spec, parse_arguments, render_tool_result
+from whet.runtime.stderr_relay import StderrRelay
 
 log = structlog.get_logger(__name__)
 
 _NAME_LIMIT = 64
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_-]")
 _MAX_PAGES = 100
+USER_META_KEY = "whet/user"
+FORGET_TOOL = "whet_forget_user"
 
 
 @dataclass
@@ -184,8 +192,32 @@ class ToolPool:
             raise RuntimeError("ToolPool.wait_changed() needs a started pool")
         await self._changed.wait()
 
-    async def call(self, name: str, arguments: dict[str, Any] | Any) -> ToolResult:
-        """Call the tool the model knows as ``name``; never raises for tool problems."""
+    async def forget_user(self, user: str) -> dict[str, ToolResult]:
+        """Call every ready server's ``whet_forget_user`` for ``user``: server name -> its answer.
+
+        A server that is not ready is reported as an error result, so the caller can say what
+        could not be forgotten.
+        """
+        answers: dict[str, ToolResult] = {}
+        for link in self._links:
+            client, generation = link.client, link.generation
+            offers = FORGET_TOOL in [tool.name for tool in link.all_tools]
+            if link.status != "ready" or client is None:
+                if offers or not link.all_tools:  # may hold the user's data, and cannot be asked now
+                    answers[link.name] = ToolResult(link.unavailable(), True, link.name)
+                continue
+            if not offers:
+                continue
+            info = ToolInfo(FORGET_TOOL, link.name, FORGET_TOOL, "", {})
+            timeout = link.timeout or self.call_timeout
+            result = await self._send(link, client, generation, info, {}, timeout, user)
+            if not isinstance(result, ToolResult):
+                result = ToolResult(render_tool_result(result, self.max_result_chars), bool(result.is_error), link.name)
+            answers[link.name] = result
+        return answers
+
+    async def call(self, name: str, arguments: dict[str, Any] | Any, *, user: str | None = None) -> ToolResult:
+        """Call the tool the model knows as ``name`` for ``user``; never raises for tool problems."""
         entry = self._index.get(name)
         if entry is None:
             available = ", ".join(info.name for info in self.tools()) or "none"
@@ -198,7 +230,7 @@ class ToolPool:
         if link.status != "ready" or client is None:
             return ToolResult(link.unavailable(), True, link.name)
         timeout = link.timeout or self.call_timeout
-        result = await self._send(link, client, generation, info, parsed, timeout)
+        result = await self._send(link, client, generation, info, parsed, timeout, user)
         if isinstance(result, ToolResult):
             return result
         return ToolResult(render_tool_result(result, self.max_result_chars), bool(result.is_error), link.name)
@@ -211,6 +243,7 @@ class ToolPool:
         info: ToolInfo,
         arguments: dict[str, Any],
         timeout: float,
+        user: str | None,
     ) -> types.CallToolResult | ToolResult:
         def error(text: str) -> ToolResult:
             return ToolResult(text, True, link.name)
@@ -218,9 +251,13 @@ class ToolPool:
         timed_out = error(f"tool '{info.name}' timed out after {timeout:g}s")
         try:
             with anyio.move_on_after(timeout):
-                return await client.call_tool(info.remote_name, arguments, read_timeout_seconds=timeout)
+                meta = {USER_META_KEY: user} if user is not None else None
+                return await client.call_tool(
+                    info.remote_name, arguments, read_timeout_seconds=timeout, meta=meta  # type: ignore[arg-type]
+                )
         except MCPError as exc:
             if exc.code == types.REQUEST_TIMEOUT:
+                link.suspect(generation, timeout)
                 return timed_out
             if exc.code == types.CONNECTION_CLOSED:
                 link.lose(generation, "the connection closed during a call")
@@ -229,6 +266,7 @@ class ToolPool:
         except Exception as exc:  # boundary: a tool problem must reach the model, not the agent loop
             log.warning("mcp.call.failed", server=link.name, tool=info.remote_name, error=_describe(exc))
             return error(f"tool '{info.name}' failed: {_describe(exc)}")
+        link.suspect(generation, timeout)
         return timed_out  # only reached when move_on_after cancelled the call
 
     def _on_change(self) -> None:
@@ -274,12 +312,15 @@ class _Link:
         self.error: str | None = None
         self.client: Client | None = None
         self.tools: list[types.Tool] = []
+        self.all_tools: list[types.Tool] = []  # as listed, the hidden forget tool included
         self.generation = 0
         self.closing = False
         self.attempted = anyio.Event()
         self._wake = anyio.Event()
         self._stale = False
         self._lost: str | None = None
+        self._probe: float | None = None  # a call timed out: ping within this many seconds
+        self.stderr: StderrRelay | None = None  # the current stdio process's stderr relay
 
     def unavailable(self) -> str:
         """Why a call to this server cannot go through right now."""
@@ -297,6 +338,17 @@ class _Link:
         if self.status == "ready":
             self.status = "restarting"
             self.on_change()
+        self._wake.set()
+
+    def suspect(self, generation: int, timeout: float) -> None:
+        """A call on connection ``generation`` timed out: the owner pings it and reconnects if it is dead.
+
+        A slow tool leaves a live server that answers the ping; a wedged process or a broken
+        read side answers nothing, and without this check would stay "ready" for good.
+        """
+        if generation != self.generation or self.closing or self._lost is not None:
+            return
+        self._probe = timeout
         self._wake.set()
 
     def tool_names(self) -> list[str]:
@@ -357,18 +409,42 @@ class _Link:
             self._wake = anyio.Event()
             if self._lost is not None:
                 raise ConnectionError(self._lost)
+            if self._probe is not None:
+                await self._ping(client, self._probe)
+                self._probe = None
             if self._stale:
                 self._stale = False
                 await self._list_tools(client)
                 self.on_change()
                 log.info("mcp.server.tools_changed", server=self.name, tools=self.tool_names())
 
+    async def _ping(self, client: Client, timeout: float) -> None:
+        """Raise ConnectionError when the server does not answer within ``timeout``.
+
+        The probe is a tools/list (ping is gone from the 2026-07-28 protocol); any answer,
+        an error included, shows the link alive.
+        """
+        problem = f"no answer within {timeout:g}s"
+        with anyio.move_on_after(timeout):
+            try:
+                await client.list_tools()
+                return
+            except MCPError as exc:
+                if exc.code not in (types.REQUEST_TIMEOUT, types.CONNECTION_CLOSED):
+                    return
+                problem = _describe(exc)
+            except Exception as exc:  # boundary: any other failure to answer means the link is dead
+                problem = _describe(exc)
+        self.status = "restarting"
+        self.on_change()
+        raise ConnectionError(f"the server stopped answering after a timed-out call ({problem})")
+
     def _client(self, generation: int) -> Client:
         target: Any = self.server
         if target is None:
             assert self.spec is not None
             closed = partial(self.lose, generation, "the connection closed")
-            target = _open_transport(self.spec.transport, closed)
+            target = _open_transport(self.spec.transport, closed, self)
         return Client(
             target,
             # bounds the handshake and listings; calls pass their own timeout
@@ -393,7 +469,8 @@ class _Link:
             cursor = page.next_cursor
             if not cursor:
                 break
-        self.tools = [tool for tool in tools if self._exposed(tool.name)]
+        self.all_tools = tools
+        self.tools = [tool for tool in tools if tool.name != FORGET_TOOL and self._exposed(tool.name)]
 
     def _exposed(self, remote_name: str) -> bool:
         if self.spec is None:
@@ -471,13 +548,19 @@ class _WatchedReadStream:
 
 @asynccontextmanager
 async def _open_transport(
-    transport: StdioTransport | HttpTransport, on_close: Callable[[], None]
+    transport: StdioTransport | HttpTransport, on_close: Callable[[], None], link: _Link
 ) -> AsyncIterator[tuple[Any, Any]]:
     async with AsyncExitStack() as stack:
+        relay = None
         if isinstance(transport, StdioTransport):
+            relay = link.stderr = StderrRelay(link.name)
+            stack.callback(relay.spawned)  # also when the spawn fails
             command, args, env = transport.command, transport.args, transport.env or None
-            params = StdioServerParameters(command=command, args=args, env=env, cwd=transport.cwd)
-            streams = stdio_client(params, errlog=_server_stderr())
+            # "replace": bytes that are not UTF-8 spoil one message at most, instead of killing the reader
+            params = StdioServerParameters(
+                command=command, args=args, env=env, cwd=transport.cwd, encoding_error_handler="replace"
+            )
+            streams = stdio_client(params, errlog=relay.writer)  # type: ignore[arg-type]
         elif transport.type == "sse":
             streams = sse_client(transport.url, headers=transport.headers or None)
         else:
@@ -485,16 +568,9 @@ async def _open_transport(
             http = await stack.enter_async_context(http_client)
             streams = streamable_http_client(transport.url, http_client=http)
         read_stream, write_stream = await stack.enter_async_context(streams)
+        if relay is not None:
+            relay.spawned()
         yield _WatchedReadStream(read_stream, on_close), write_stream
-
-
-def _server_stderr() -> Any:
-    """Server stderr goes to ours when it is a real file (not so under some test capture)."""
-    try:
-        sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return -3  # subprocess.DEVNULL
-    return sys.stderr
 
 
 def _safe_name(name: str) -> str:

@@ -5,6 +5,15 @@ completed. Each lives in a named list ("groceries", "work"; "inbox" when none is
 list names are trimmed and case-folded so "Groceries " and "groceries" are one list.
 Search matches every word of the query as a case-insensitive substring of the text.
 
+Every note belongs to one user: the caller named by the request's ``_meta["whet/user"]`` (how
+whet passes the user it serves to MCP servers). A caller that names no user (the server run
+alone, under a desktop client) acts for the user "default", whet's own default user when it runs
+without API keys: one person's whet and desktop client share that notebook, and notes written
+before users existed belong to it. Ids are shared across
+users but an id of another user's note answers exactly as an unknown id does, so nothing of one
+user is visible to another. ``whet_forget_user`` deletes every note of the calling user; whet
+calls it when a user is forgotten and never shows it to a model.
+
 The server runs sync tools in worker threads, so the one connection is shared behind a
 lock; WAL lets other processes read the file while this one writes. Ids come from
 AUTOINCREMENT so a deleted note's id is never reused: an id a model remembers can never
@@ -23,13 +32,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 DEFAULT_LIST = "inbox"
 DEFAULT_DB_PATH = "~/.local/share/whet/notes.db"
+USER_META_KEY = "whet/user"  # the request _meta key whet sends the calling user under
+FORGET_TOOL = "whet_forget_user"
+# the namespace of callers that name no user; the same name as whet's default user (server.default_user),
+# so a single-user whet and a desktop client on the same notebook share it, and notes from before users
+STANDALONE_OWNER = "default"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS notes (
@@ -38,10 +52,11 @@ CREATE TABLE IF NOT EXISTS notes (
     list TEXT NOT NULL,
     kind TEXT NOT NULL CHECK (kind IN ('note', 'todo')),
     created_at TEXT NOT NULL,
-    completed_at TEXT
+    completed_at TEXT,
+    owner TEXT NOT NULL DEFAULT 'default'
 );
-CREATE INDEX IF NOT EXISTS notes_by_list ON notes (list, kind);
 """
+_OWNER_INDEX = "CREATE INDEX IF NOT EXISTS notes_by_owner ON notes (owner, list, kind)"
 _COLUMNS = "id, text, list, kind, created_at, completed_at"
 
 Kind = Literal["note", "todo"]
@@ -69,6 +84,23 @@ class NoteList(BaseModel):
 
 class Deleted(BaseModel):
     deleted: Note
+
+
+class Forgotten(BaseModel):
+    user: str
+    deleted: int = Field(description="How many notes and todos were deleted.")
+
+
+def named_user(ctx: Context | None) -> str | None:
+    """The user named in the request's ``_meta["whet/user"]``, if any."""
+    meta = ctx.request_context.meta if ctx is not None else None
+    user = (meta or {}).get(USER_META_KEY)
+    return user if isinstance(user, str) and user else None
+
+
+def caller(ctx: Context | None) -> str:
+    """The user a request acts for: the one it names, else the standalone namespace."""
+    return named_user(ctx) or STANDALONE_OWNER
 
 
 def _list_name(name: str) -> str:
@@ -101,6 +133,10 @@ class NoteBook:
         self._db.execute("PRAGMA journal_mode=WAL")  # a no-op answer of "memory" for ":memory:"
         with self._lock, self._db:
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(notes)")}
+            if "owner" not in columns:  # a notebook from before users: its notes go to the standalone namespace
+                self._db.execute("ALTER TABLE notes ADD COLUMN owner TEXT NOT NULL DEFAULT 'default'")
+            self._db.execute(_OWNER_INDEX)
 
     def _stamp(self) -> str:
         return self._now().astimezone(UTC).isoformat(timespec="seconds")
@@ -109,23 +145,31 @@ class NoteBook:
         with self._lock:
             self._db.close()
 
-    def add(self, text: str, list_name: str, kind: Kind) -> Note:
+    def add(self, owner: str, text: str, list_name: str, kind: Kind) -> Note:
         body = text.strip()
         if not body:
             raise NoteError("The text is empty; give the note or todo some words.")
         with self._lock, self._db:
             cursor = self._db.execute(
-                "INSERT INTO notes (text, list, kind, created_at) VALUES (?, ?, ?, ?)",
-                (body, _list_name(list_name), kind, self._stamp()),
+                "INSERT INTO notes (text, list, kind, created_at, owner) VALUES (?, ?, ?, ?, ?)",
+                (body, _list_name(list_name), kind, self._stamp(), owner),
             )
             assert cursor.lastrowid is not None
-            return self._get(cursor.lastrowid)
+            return self._get(owner, cursor.lastrowid)
 
     def find(
-        self, words: list[str], list_name: str | None, kind: Kind | None, include_completed: bool, limit: int
+        self,
+        owner: str,
+        words: list[str],
+        list_name: str | None,
+        kind: Kind | None,
+        include_completed: bool,
+        limit: int,
     ) -> NoteList:
-        """Notes matching every filter given, oldest first, at most `limit`; a blank list name means all."""
-        clauses, params = ["instr(casefold(text), ?) > 0" for _ in words], [w.casefold() for w in words]
+        """`owner`'s notes matching every filter given, oldest first, at most `limit`; a blank list means all."""
+        clauses, params = ["owner = ?"], [owner]
+        clauses += ["instr(casefold(text), ?) > 0" for _ in words]
+        params += [w.casefold() for w in words]
         if list_name is not None and list_name.strip():
             clauses.append("list = ?")
             params.append(_list_name(list_name))
@@ -134,7 +178,7 @@ class NoteBook:
             params.append(kind)
         if not include_completed:
             clauses.append("completed_at IS NULL")
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        where = f"WHERE {' AND '.join(clauses)}"
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM notes {where} ORDER BY id LIMIT ?", (*params, limit + 1)
@@ -142,24 +186,31 @@ class NoteBook:
         notes = [_note(row) for row in rows[:limit]]
         return NoteList(count=len(notes), truncated=len(rows) > limit, notes=notes)
 
-    def complete(self, note_id: int) -> Note:
+    def complete(self, owner: str, note_id: int) -> Note:
         """Mark a todo done; completing a done todo again changes nothing."""
         with self._lock, self._db:
-            note = self._get(note_id)
+            note = self._get(owner, note_id)
             if note.kind != "todo":
                 raise NoteError(f"Item {note_id} is a note, not a todo, so it cannot be completed.")
             if not note.done:
                 self._db.execute("UPDATE notes SET completed_at = ? WHERE id = ?", (self._stamp(), note_id))
-            return self._get(note_id)
+            return self._get(owner, note_id)
 
-    def delete(self, note_id: int) -> Note:
+    def delete(self, owner: str, note_id: int) -> Note:
         with self._lock, self._db:
-            note = self._get(note_id)
+            note = self._get(owner, note_id)
             self._db.execute("DELETE FROM notes WHERE id = ?", (note_id,))
             return note
 
-    def _get(self, note_id: int) -> Note:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM notes WHERE id = ?", (note_id,)).fetchone()
+    def forget(self, owner: str) -> int:
+        """Delete every note and todo of `owner`; returns how many."""
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM notes WHERE owner = ?", (owner,)).rowcount
+
+    def _get(self, owner: str, note_id: int) -> Note:
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM notes WHERE id = ? AND owner = ?", (note_id, owner)
+        ).fetchone()
         if row is None:
             raise NoteError(f"There is no note or todo with id {note_id}; list_notes shows the ids.")
         return _note(row)
@@ -196,9 +247,10 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
         text: Annotated[str, Field(min_length=1, max_length=10_000, description="What to remember or do.")],
         list_name: Annotated[str, Field(max_length=100, description="e.g. 'groceries'.")] = DEFAULT_LIST,
         kind: Annotated[Kind, Field(description="'todo' for something to do and tick off.")] = "note",
+        ctx: Context | None = None,
     ) -> Note:
         """Save a note or a todo in a named list (default 'inbox'). Returns it with its id."""
-        return notebook.add(text, list_name, kind)
+        return notebook.add(caller(ctx), text, list_name, kind)
 
     @server.tool(title="List notes", annotations=_READS)
     def list_notes(
@@ -206,9 +258,10 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
         kind: _KindFilter = None,
         include_completed: bool = False,
         limit: _Limit = 50,
+        ctx: Context | None = None,
     ) -> NoteList:
         """List notes and todos, oldest first; completed todos are left out unless include_completed."""
-        return notebook.find([], list_name, kind, include_completed, limit)
+        return notebook.find(caller(ctx), [], list_name, kind, include_completed, limit)
 
     @server.tool(title="Search notes", annotations=_READS)
     def search_notes(
@@ -217,22 +270,34 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
         kind: _KindFilter = None,
         include_completed: bool = True,
         limit: _Limit = 50,
+        ctx: Context | None = None,
     ) -> NoteList:
         """Find notes and todos whose text contains every word of the query, case-insensitively."""
         words = query.split()
         if not words:
             raise NoteError("The query is empty; give at least one word to search for.")
-        return notebook.find(words, list_name, kind, include_completed, limit)
+        return notebook.find(caller(ctx), words, list_name, kind, include_completed, limit)
 
     @server.tool(title="Complete todo", annotations=_COMPLETES)
-    def complete_todo(note_id: _NoteId) -> Note:
+    def complete_todo(note_id: _NoteId, ctx: Context | None = None) -> Note:
         """Mark a todo as done (it stays stored; list_notes hides it unless include_completed)."""
-        return notebook.complete(note_id)
+        return notebook.complete(caller(ctx), note_id)
 
     @server.tool(title="Delete note or todo", annotations=_DELETES)
-    def delete_note(note_id: _NoteId) -> Deleted:
+    def delete_note(note_id: _NoteId, ctx: Context | None = None) -> Deleted:
         """Delete a note or todo for good by id. Returns what was deleted."""
-        return Deleted(deleted=notebook.delete(note_id))
+        return Deleted(deleted=notebook.delete(caller(ctx), note_id))
+
+    @server.tool(name=FORGET_TOOL, title="Forget the calling user", annotations=_DELETES)
+    def forget_user(ctx: Context | None = None) -> Forgotten:
+        """Delete every note and todo of the user named in the request's _meta (whet/user).
+
+        For the operator's "forget this user"; refused when the request names no user.
+        """
+        owner = named_user(ctx)
+        if owner is None:
+            raise NoteError(f"Name the user to forget in the request's _meta['{USER_META_KEY}'].")
+        return Forgotten(user=owner, deleted=notebook.forget(owner))
 
     return server
 

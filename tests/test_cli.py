@@ -102,3 +102,52 @@ def test_whet_chat_explains_when_no_server_is_running(tmp_path):
     done = whet("chat", "--url", "http://127.0.0.1:9")
     assert done.returncode == 1
     assert "whet serve" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_whet_forget_removes_a_users_turns_notes_and_adapter_files_and_keeps_the_others(tmp_path):
+    from whet.memory import Adapter
+    from whet.servers.notes import NoteBook
+
+    data = tmp_path / "data"
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {"notes": {
+        "command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.notes"],
+        "env": {"WHET_NOTES_DB": "${WHET_DATA_DIR}/notes.db"}}}}))  # fmt: skip
+    config = write_config(tmp_path, mcp={"config": str(mcp_file)})
+    data.mkdir()
+    book = NoteBook(data / "notes.db")
+    book.add("alice", "alice PIN 4711", "inbox", "note")
+    book.add("bob", "bob likes tea", "inbox", "note")
+    book.close()
+    folder = data / "adapters" / "user" / "alice" / "user-alice-0001"
+    folder.mkdir(parents=True)
+
+    async def record(user: str) -> str:
+        store = open_store(f"sqlite:///{data / 'whet.db'}")
+        session = await store.create_session(user)
+        turn = await store.add_turn(TurnCreate(session_id=session.id, user_id=user, request_id="r", step=0, model="m"))
+        await store.add_lesson(user, f"{user}'s lesson")
+        if user == "alice":
+            await store.add_adapter(Adapter(id="user-alice-0001", scope="user", user_id="alice", path=str(folder)))
+        await store.aclose()
+        return turn.id
+
+    anyio.run(record, "alice")
+    anyio.run(record, "bob")
+    done = whet("forget", "alice", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    assert "forgot user alice" in done.stdout and "notes" in done.stdout
+
+    async def left() -> tuple[set[str], set[str]]:
+        store = open_store(f"sqlite:///{data / 'whet.db'}")
+        users = {t.user_id for t in await store.list_turns()} | {x.user_id for x in await store.list_lessons()}
+        adapters = {a.id for a in await store.list_adapters()}
+        await store.aclose()
+        return users, adapters
+
+    assert anyio.run(left) == ({"bob"}, set())
+    book = NoteBook(data / "notes.db")
+    assert book.find("alice", [], None, None, True, 10).count == 0
+    assert [n.text for n in book.find("bob", [], None, None, True, 10).notes] == ["bob likes tea"]
+    book.close()
+    assert not (data / "adapters" / "user" / "alice").exists()

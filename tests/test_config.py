@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from whet.config.settings import ConfigError, load_config
@@ -64,3 +66,47 @@ def test_model_dtype_takes_auto_float32_or_bfloat16_and_names_the_key_otherwise(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.key == "model.dtype" and "bfloat16" in str(err.value)
+
+
+def test_the_logged_config_masks_every_secret_by_its_type():
+    secrets = ["sk-server", "sk-model", "sk-judge", "pg-pass", "mq-pass", "vllm-pass", "judge-pass"]
+    config = load_config(overrides={
+        "server": {"api_keys": {"sk-server": "alice"}},
+        "model": {"api_key": "sk-model", "base_url": "http://u:vllm-pass@gpu:8000/v1"},
+        "store": {"url": "postgresql+psycopg://whet:pg-pass@db.internal:5432/whet"},
+        "bus": {"url": "mqtt://whet:mq-pass@broker:1883/whet"},
+        "learner": {"judge": {"api_key": "sk-judge", "base_url": "https://j:judge-pass@judge.example/v1"}},
+    })  # fmt: skip
+    logged = json.dumps(config.redacted())
+    assert [s for s in secrets if s in logged] == []
+    redacted = config.redacted()
+    assert redacted["store"]["url"] == "postgresql+psycopg://whet:***@db.internal:5432/whet"
+    assert redacted["bus"]["url"] == "mqtt://whet:***@broker:1883/whet"
+    assert redacted["learner"]["judge"]["api_key"] == "***"
+    assert config.store.url.endswith("pg-pass@db.internal:5432/whet")  # the values themselves are untouched
+
+
+def test_every_field_that_names_a_secret_is_typed_as_one():
+    from pydantic import BaseModel
+
+    from whet.config.settings import _MARKERS, WhetConfig
+
+    def untyped(model: type[BaseModel], path: str) -> list[str]:
+        found = []
+        for name, info in model.model_fields.items():
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                found += untyped(annotation, f"{path}{name}.")
+            elif set(name.split("_")) & {"key", "keys", "password", "secret", "url"}:
+                if not any(isinstance(m, _MARKERS) for m in info.metadata):
+                    found.append(path + name)
+        return found
+
+    assert untyped(WhetConfig, "") == []
+
+
+def test_an_admin_user_without_a_key_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"server": {"api_keys": {"sk-a": "alice"}, "admin_users": ["ops"]}})
+    assert err.value.key == "server.admin_users" and "'ops'" in err.value.problem
+    assert load_config(overrides={"server": {"api_keys": {"sk-o": "ops"}, "admin_users": ["ops"]}}).server.admin_users

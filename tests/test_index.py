@@ -20,7 +20,7 @@ LESSONS = [
 
 @pytest.fixture(scope="module")
 def minilm() -> MiniLMEmbedder:
-    return MiniLMEmbedder()
+    return open_embedder("minilm")
 
 
 @pytest.fixture(params=["hashing", "minilm"])
@@ -38,6 +38,10 @@ def test_hashing_embedder_is_deterministic_normalised_and_scores_similar_texts_h
     assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
 
 
+def test_the_minilm_embedder_a_server_opens_is_loaded_before_the_first_request(minilm):
+    assert minilm.loaded  # open_embedder, which the lifespan runs in a worker thread, loaded it
+
+
 def test_minilm_embedder_loads_offline_from_the_package_and_normalises(minilm):
     vectors = minilm.embed(["what time is it in Berlin?", "current time in Berlin", "a recipe for soup"])
     assert vectors.shape == (3, 384) and vectors.dtype == np.float32
@@ -47,8 +51,8 @@ def test_minilm_embedder_loads_offline_from_the_package_and_normalises(minilm):
 
 def test_open_embedder_chooses_by_kind():
     assert isinstance(open_embedder("hashing"), HashingEmbedder)
-    assert isinstance(open_embedder("minilm"), MiniLMEmbedder)
-    assert isinstance(open_embedder("auto"), MiniLMEmbedder)  # installed here
+    assert isinstance(open_embedder("minilm", load=False), MiniLMEmbedder)
+    assert isinstance(open_embedder("auto", load=False), MiniLMEmbedder)  # installed here
     with pytest.raises(ValueError, match="'auto', 'minilm' or 'hashing'"):
         open_embedder("word2vec")
 

@@ -385,3 +385,70 @@ async def test_per_user_scope_trains_one_lineage_per_user(tiny_model, tmp_path, 
         trained = await store.list_judgments(trained_in=live.id)
         assert {j.user_id for j in trained} == {user}
     assert await store.live_adapter("global") is None
+
+
+class _FailsOnBoom(RulesJudge):
+    """The rules judge, except that it fails on any turn whose answer is "boom" (a row it cannot judge)."""
+
+    async def judge(self, turn, next_state, context):
+        if turn.response_text == "boom":
+            raise RuntimeError("cannot judge this row")
+        return await super().judge(turn, next_state, context)
+
+
+async def closed_answer(experience: Experience, store: Store, answer: str, reply: str, user: str = "alice") -> str:
+    session = await store.create_session(user)
+    turn = await experience.record(TurnCreate(
+        session_id=session.id, user_id=user, request_id=f"req-{session.id}", step=0, model="tiny",
+        prompt_messages=[SYSTEM, {"role": "user", "content": "What time is it at home?"}], response_text=answer,
+        response_token_ids=[3], response_logprobs=[-0.3],
+    ))  # fmt: skip
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": reply}]})
+    return turn.id
+
+
+@pytest.mark.anyio
+async def test_a_turn_that_cannot_be_judged_is_marked_and_the_catch_up_goes_on(tmp_path, store):
+    bus = MemoryBus()
+    await bus.start()
+    experience = Experience(store, bus)
+    learner = Learner(learner_config(train=False), store, bus, _FailsOnBoom(), AdapterRegistry(store, bus, tmp_path))
+    bad = await closed_answer(experience, store, "boom", "thanks")
+    good = await closed_answer(experience, store, "It is 10:00.", "thanks")
+    await learner.catch_up()
+    marked, judged = await store.get_judgment(bad), await store.get_judgment(good)
+    assert marked is not None and marked.judge == "failed" and not marked.trainable
+    assert judged is not None and judged.score == 1
+    assert (await learner.status())["busy"] is False
+    await bus.aclose()
+
+
+async def exercise_nul_correction(tmp_path, store: Store) -> None:
+    bus = MemoryBus()
+    await bus.start()
+    experience = Experience(store, bus)
+    learner = Learner(learner_config(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
+    turn_id = await closed_answer(experience, store, "It is 10:00 in Paris.", "No, I meant Lis\x00bon time")
+    await learner.catch_up()
+    verdict = await store.get_judgment(turn_id)
+    assert verdict.score == -1 and verdict.hint == "The user meant Lis\x00bon time"
+    assert [lesson.text for lesson in await store.list_lessons("alice")] == [
+        'When asked "What time is it at home?": The user meant Lis\x00bon time'
+    ]
+    assert (await learner.status())["busy"] is False
+    await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_correction_with_a_nul_byte_is_judged_and_kept_as_a_lesson_on_sqlite(tmp_path, store):
+    await exercise_nul_correction(tmp_path, store)
+
+
+@pytest.mark.anyio
+@pytest.mark.loopback
+async def test_a_correction_with_a_nul_byte_is_judged_and_kept_as_a_lesson_on_postgresql(tmp_path, postgres_schema_url):
+    store = open_store(postgres_schema_url)
+    try:
+        await exercise_nul_correction(tmp_path, store)
+    finally:
+        await store.aclose()

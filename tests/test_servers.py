@@ -52,14 +52,14 @@ async def assert_every_tool_is_annotated(client: Client, expected: set[str]) -> 
 # --- notes -----------------------------------------------------------------------------------
 
 
-async def test_notes_tools_are_annotated_and_only_delete_is_destructive() -> None:
+async def test_notes_tools_are_annotated_and_only_deleting_is_destructive() -> None:
     async with Client(notes.build_server(":memory:")) as client:
         tools = await assert_every_tool_is_annotated(
-            client, {"add_note", "list_notes", "search_notes", "complete_todo", "delete_note"}
+            client, {"add_note", "list_notes", "search_notes", "complete_todo", "delete_note", "whet_forget_user"}
         )
     destructive = {name for name, tool in tools.items() if tool.annotations.destructive_hint}
     read_only = {name for name, tool in tools.items() if tool.annotations.read_only_hint}
-    assert destructive == {"delete_note"}
+    assert destructive == {"delete_note", "whet_forget_user"}
     assert read_only == {"list_notes", "search_notes"}
 
 
@@ -142,7 +142,7 @@ def test_notebook_serves_concurrent_writers_each_their_own_note(tmp_path: Path) 
     def write(writer: int) -> None:
         for number in range(25):
             text = f"{writer}-{number}"
-            returned = notebook.add(text, "load", "note").text
+            returned = notebook.add("", text, "load", "note").text
             if returned != text:
                 mixed_up.append((text, returned))
 
@@ -152,7 +152,7 @@ def test_notebook_serves_concurrent_writers_each_their_own_note(tmp_path: Path) 
             thread.start()
         for thread in threads:
             thread.join(timeout=30)
-        listed = notebook.find([], "load", None, True, 500)
+        listed = notebook.find("", [], "load", None, True, 500)
     finally:
         notebook.close()
     assert mixed_up == []
@@ -356,3 +356,44 @@ async def test_convert_time_between_zones_follows_daylight_saving() -> None:
     assert today["source"]["date"] == "2024-07-15"  # the pinned clock's date in the source zone
     assert today["target"]["date"] == "2024-07-16" and today["day_change"] == 1
     assert "does not exist" in gap
+
+
+async def test_notes_are_kept_apart_per_user_named_in_the_request_meta() -> None:
+    async with Client(notes.build_server(":memory:")) as client:
+        alice, bob = {"whet/user": "alice"}, {"whet/user": "bob"}
+        await client.call_tool("add_note", {"text": "bank PIN 4711"}, meta=alice)
+        await client.call_tool("add_note", {"text": "standalone note"})
+        bobs = await client.call_tool("list_notes", {}, meta=bob)
+        assert bobs.structured_content["count"] == 0
+        found = await client.call_tool("search_notes", {"query": "PIN"}, meta=bob)
+        assert found.structured_content["count"] == 0
+        assert (await client.call_tool("delete_note", {"note_id": 1}, meta=bob)).is_error
+        assert (await client.call_tool("complete_todo", {"note_id": 1}, meta=bob)).is_error
+        standalone = await client.call_tool("list_notes", {})
+        assert [n["text"] for n in standalone.structured_content["notes"]] == ["standalone note"]
+        forgotten = await client.call_tool("whet_forget_user", {}, meta=alice)
+        assert forgotten.structured_content == {"user": "alice", "deleted": 1}
+        assert (await client.call_tool("list_notes", {}, meta=alice)).structured_content["count"] == 0
+        assert (await client.call_tool("whet_forget_user", {})).is_error  # no user named: nothing wiped
+        assert (await client.call_tool("list_notes", {})).structured_content["count"] == 1
+        # whet's default user (keys off) is the standalone namespace, and can be forgotten by name
+        default = await client.call_tool("list_notes", {}, meta={"whet/user": "default"})
+        assert [n["text"] for n in default.structured_content["notes"]] == ["standalone note"]
+        assert (await client.call_tool("whet_forget_user", {}, meta={"whet/user": "default"})).structured_content[
+            "deleted"] == 1  # fmt: skip
+
+
+def test_a_notebook_from_before_users_keeps_its_notes_in_the_standalone_namespace(tmp_path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY AUTOINCREMENT, text TEXT NOT NULL, list TEXT NOT NULL,"
+                   " kind TEXT NOT NULL, created_at TEXT NOT NULL, completed_at TEXT)")
+        db.execute("INSERT INTO notes (text, list, kind, created_at) VALUES ('old', 'inbox', 'note', 'x')")
+    book = notes.NoteBook(path)
+    try:
+        assert [n.text for n in book.find(notes.STANDALONE_OWNER, [], None, None, True, 10).notes] == ["old"]
+        assert book.find("alice", [], None, None, True, 10).count == 0
+    finally:
+        book.close()

@@ -244,3 +244,48 @@ async def test_core_round_trip_on_postgresql(postgres_schema_url):
         assert sum(r is not None for r in results) == 1
     finally:
         await store.aclose()
+
+
+NUL_TEXT = "before\x00after \ue000 \ue0000 \\0 end\x00"  # NUL, and the escape character itself
+
+
+async def exercise_nul_round_trip(store: Store) -> None:
+    """What was said is stored as said, NUL bytes included; a NUL id is simply not found."""
+    from whet.memory import Judgment
+
+    session = await store.create_session("nul-user")
+    created = turn_for(session.id, "nul-user")
+    created.response_text = NUL_TEXT
+    created.prompt_messages = [{"role": "user", "content": NUL_TEXT}]
+    created.tool_calls = [{"id": "c", "type": "function", "function": {"name": "x", "arguments": NUL_TEXT}}]
+    turn = await store.add_turn(created)
+    await store.close_turn(turn.id, "user_message", {"messages": [{"role": "user", "content": NUL_TEXT}]})
+    feedback = await store.add_feedback(turn.id, "nul-user", 1.0, NUL_TEXT)
+    lesson = await store.add_lesson("nul-user", NUL_TEXT)
+    await store.save_judgment(Judgment(turn_id=turn.id, user_id="nul-user", request_id="req-1", score=-1,
+                                       hint=NUL_TEXT, reason=NUL_TEXT))
+    again = await store.get_turn(turn.id)
+    assert again.response_text == NUL_TEXT
+    assert again.prompt_messages[0]["content"] == NUL_TEXT
+    assert again.tool_calls[0]["function"]["arguments"] == NUL_TEXT
+    assert again.next_state["messages"][0]["content"] == NUL_TEXT
+    assert (await store.list_feedback(turn.id))[0].text == feedback.text == NUL_TEXT
+    assert (await store.get_lesson(lesson.id)).text == NUL_TEXT
+    judgment = await store.get_judgment(turn.id)
+    assert judgment.hint == judgment.reason == NUL_TEXT
+    assert await store.get_turn("turn_\x00") is None
+    with pytest.raises(KeyError):
+        await store.add_feedback("turn_\x00", "nul-user", 1.0, None)
+
+
+async def test_text_with_nul_bytes_round_trips_on_sqlite(store):
+    await exercise_nul_round_trip(store)
+
+
+@pytest.mark.loopback
+async def test_text_with_nul_bytes_round_trips_on_postgresql(postgres_schema_url):
+    store = open_store(postgres_schema_url)
+    try:
+        await exercise_nul_round_trip(store)
+    finally:
+        await store.aclose()

@@ -246,3 +246,53 @@ async def test_an_http_server_is_listed_called_and_refreshed(kind, path):
             assert (await pool.call("whoami", {})).content == "web"
             assert not (await pool.call("grow", {"tool": "remote_added"})).is_error
             await wait_until(pool, lambda: "remote_added" in names(pool))
+
+
+@pytest.mark.loopback
+@pytest.mark.anyio
+@pytest.mark.parametrize("newline", [True, False], ids=["own-line", "glued-to-the-answer"])
+async def test_invalid_utf8_on_a_stdio_servers_stdout_costs_at_most_one_call(newline):
+    config = specs({"peer": {"command": sys.executable, "args": [str(ECHO_SERVER)]}})
+    async with ToolPool(config, call_timeout=3.0) as pool:
+        assert pool.status() == {"peer": "ready"}
+        with anyio.fail_after(DEADLINE):
+            await pool.call("garbage", {"newline": newline})  # may fail: its answer may be the garbled line
+            for n in range(3):
+                answer = await pool.call("echo", {"text": f"still here {n}"})
+                assert not answer.is_error and answer.content == f"still here {n}"
+        assert pool.status() == {"peer": "ready"}
+
+
+@pytest.mark.loopback
+@pytest.mark.anyio
+async def test_a_stdio_server_that_stops_answering_is_detected_and_restarted():
+    config = specs({"peer": {"command": sys.executable, "args": [str(ECHO_SERVER)]}})
+    async with ToolPool(config, call_timeout=1.0, restart_backoff_min=0.05, restart_backoff_max=1.0) as pool:
+        first_pid = (await pool.call("pid", {})).content
+        wedged = await pool.call("wedge", {})
+        assert wedged.is_error and "timed out" in wedged.content
+        await wait_until(pool, lambda: pool.status()["peer"] != "ready")
+        await wait_until(pool, lambda: pool.status()["peer"] == "ready")
+        again = await pool.call("pid", {})
+        assert not again.is_error and again.content != first_pid
+
+
+@pytest.mark.loopback
+@pytest.mark.anyio
+async def test_a_stdio_servers_stderr_reaches_the_log_sanitised_capped_and_rate_limited():
+    from structlog.testing import capture_logs
+
+    from whet.runtime.stderr_relay import BURST, LINE_CHARS
+
+    config = specs({"peer": {"command": sys.executable, "args": [str(ECHO_SERVER)]}})
+    with capture_logs() as logs:
+        async with ToolPool(config, restart_backoff_min=5.0) as pool:
+            relay = pool._links[0].stderr
+            assert (await pool.call("spew", {"lines": 2000, "size": 5000})).content == "spewed"  # 10 MB
+            await pool.call("exit", {})  # the process ends, so does its stderr
+            assert await anyio.to_thread.run_sync(relay.done.wait, DEADLINE)
+    lines = [entry["line"] for entry in logs if entry["event"] == "mcp.server.stderr"]
+    assert BURST <= len(lines) < 2000 and relay.dropped + relay.logged >= 2000
+    assert all(len(line) <= LINE_CHARS + 40 and "\x1b" not in line and "\x00" not in line for line in lines)
+    assert sum(entry["lines"] for entry in logs if entry["event"] == "mcp.server.stderr_dropped") == relay.dropped
+    assert sum(len(line) for line in lines) < 2000 * 5000 // 10

@@ -1,4 +1,4 @@
-"""A small MCP server for pool tests: echo, whoami, structured, fail, slow, big, pid, grow, exit.
+"""A small MCP server for pool tests: echo, whoami, structured, fail, slow, big, pid, grow, exit, garbage, wedge, spew.
 
 Run as a stdio server with ``python tests/peers/echo_server.py`` (add
 ``--handshake-only`` to speak only the pre-2026 handshake era); import
@@ -67,6 +67,32 @@ def build_server(name: str = "echo") -> MCPServer:
         await ctx.notify_tools_changed()  # 2026-07-28 clients: their listen stream
         await ctx.session.send_tool_list_changed()  # earlier clients: a plain notification
         return f"added {tool}"
+
+    @server.tool()
+    def garbage(newline: bool = False) -> str:
+        """Write bytes that are not UTF-8 onto the wire (before this call's own answer), then answer."""
+        from mcp.server import stdio  # the transport serves the wire from a private copy of fd 1
+
+        claim = stdio._claims.get(1)
+        wire = claim.private_fd if claim is not None and claim.private_fd is not None else 1
+        os.write(wire, b"\xff\xfe\x80 not utf-8" + (b"\n" if newline else b""))
+        return "wrote garbage"
+
+    @server.tool()
+    def spew(lines: int, size: int) -> str:
+        """Write ``lines`` lines of ``size`` bytes of garbage (control characters, invalid UTF-8) to stderr."""
+        line = (b"\x1b[31m\x00\xff" + b"g" * size)[:size] + b"\n"
+        for _ in range(lines):
+            os.write(2, line)
+        return "spewed"
+
+    @server.tool()
+    async def wedge() -> str:
+        """Block the server's event loop for good: the process lives on but never answers again."""
+        import time
+
+        while True:
+            time.sleep(3600)
 
     @server.tool()
     def exit(code: int = 3) -> str:
