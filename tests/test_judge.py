@@ -199,8 +199,8 @@ def test_no_i_meant_lisbon_time_becomes_the_hint_the_user_meant_lisbon_time():
         ("No, not Paris, Lisbon", "The user wants Lisbon, not Paris"),
         ("Actually, I'm in Porto.", "The user clarified: the user is in Porto"),
         ("That's wrong, the meeting is on Friday", "The user corrected: the meeting is on Friday"),
-        ("That\u2019s not right.", "The user corrected: That's not right"),
-        ("wrong", "The user corrected: wrong"),
+        ("That\u2019s not right.", "The user said it was wrong: That's not right"),
+        ("wrong", "The user said it was wrong: wrong"),
         ("No. Use Celsius.", "The user corrected: Use Celsius"),
     ],
 )
@@ -471,6 +471,8 @@ def test_a_lesson_is_keyed_by_what_was_asked_not_by_the_correction_and_a_reask_t
     retry = SimpleNamespace(prompt_messages=asked, tool_calls=[call], next_state_kind=None, next_state=None)
     text, kind = lesson_for(Verdict(1, None, "the user said thanks", "rules"), [retry])
     assert (text, kind) == ('When asked "Is it late at home?": calling now({"timezone": "Lisbon"}) was right.', "success")
+    bare = Verdict(-1, "The user said it was wrong: That's wrong", "the user corrected the answer", "rules")
+    assert lesson_for(bare, [retry]) is None  # says only that it was wrong: nothing to reuse
     reask = Verdict(-1, "The user had to ask again: Is it late at home", "the user asked again", "rules")
     assert lesson_for(reask, [SimpleNamespace(prompt_messages=asked[:1], tool_calls=[], next_state_kind=None,
                                               next_state=None)]) is None  # fmt: skip
