@@ -131,7 +131,7 @@ class ModelConfig(Section):
     api_key: Secret = None
     request_timeout: float = Field(120.0, gt=0)
     # in-process generation worker threads: requests beyond this wait, never the event loop
-    workers: int = Field(2, ge=1)
+    workers: int = Field(8, ge=1)
 
     @field_validator("id")
     @classmethod

@@ -143,6 +143,8 @@ _THIRD_PERSON = {
 REQUERY_SIMILARITY = 0.6  # word-set Jaccard above which a new request repeats the last one
 REQUERY_CONTAINS = 0.8  # ...or the share of the last request's words the reply repeats ("{q} Please answer.")
 REQUERY_HINT = "The user had to ask again: "
+WRONG_HINT = "The user said it was wrong: "  # a correction that names nothing ("That's wrong.")
+CONTENT_FREE_HINTS = (REQUERY_HINT, WRONG_HINT)  # hints that say only that the action was wrong
 
 
 class RulesJudge:
@@ -218,8 +220,8 @@ def correction_hint(text: str) -> str | None:
         if match is None:
             continue
         parts = {key: _third_person(_tidy(value)) for key, value in match.groupdict().items()}
-        if not all(parts.values()):
-            parts = dict.fromkeys(parts, _third_person(_tidy(text)))
+        if not all(parts.values()):  # nothing after "wrong": the reply says only that
+            return _clip(WRONG_HINT + _third_person(_tidy(text)))
         return _clip(template.format(**parts))
     return None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from whet.learner.judge import REQUERY_HINT, Verdict, correction_hint, is_requery
+from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_requery
 from whet.learner.prompt import canonical_arguments, content_text
 from whet.memory.tables import Turn
 
@@ -26,12 +26,22 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     if not request:
         return None
     asked = asked_text(request[0].prompt_messages)
-    if verdict.hint and not verdict.hint.startswith(REQUERY_HINT):  # a re-ask says only "wrong": nothing to reuse
+    if verdict.hint and not verdict.hint.startswith(CONTENT_FREE_HINTS):  # "wrong" alone: nothing to reuse
         return lesson_text(asked, hint=verdict.hint), "hint"
-    calls = [call["function"] for turn in request for call in turn.tool_calls]
+    calls = [call["function"] for turn in request for call in turn.tool_calls if call.get("id") not in _failed(turn)]
     if verdict.score > 0 and calls:
         return lesson_text(asked, calls=calls), "success"
     return None
+
+
+def _failed(turn: Turn) -> set[str]:
+    """The ids of ``turn``'s tool calls whose result was an error: a user who was satisfied in
+    the end did not make a call that failed "right" (the answer came from somewhere else)."""
+    if turn.next_state_kind != "tool_result":
+        return set()
+    results = (turn.next_state or {}).get("results") or []
+    return {r.get("tool_call_id") for r in results
+            if content_text(r.get("content")).strip().lower().startswith("error:")}  # fmt: skip
 
 
 def asked_text(messages: Sequence[dict[str, Any]]) -> str:

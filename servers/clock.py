@@ -96,8 +96,8 @@ def resolve_timezone(text: str) -> tuple[str, tzinfo]:
         close = difflib.get_close_matches(_city_key(raw), [*last, *_CITIES], n=3, cutoff=0.75)
         hint = f" Did you mean {', '.join(last.get(c) or _CITIES[c] for c in close)}?" if close else ""
         raise ClockError(
-            f"Unknown timezone {text!r}.{hint} Use an IANA name like Europe/Lisbon, a city like 'Lisbon', "
-            "'UTC', or an offset like 'UTC+5:30'."
+            f"Unknown timezone {text!r}.{hint} Use an IANA zone name (Area/City), the name of a city, "
+            "'UTC', or an offset from UTC such as UTC+5 or UTC-3."
         )
     return name, ZoneInfo(name)
 

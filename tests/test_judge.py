@@ -199,8 +199,8 @@ def test_no_i_meant_lisbon_time_becomes_the_hint_the_user_meant_lisbon_time():
         ("No, not Paris, Lisbon", "The user wants Lisbon, not Paris"),
         ("Actually, I'm in Porto.", "The user clarified: the user is in Porto"),
         ("That's wrong, the meeting is on Friday", "The user corrected: the meeting is on Friday"),
-        ("That\u2019s not right.", "The user corrected: That's not right"),
-        ("wrong", "The user corrected: wrong"),
+        ("That\u2019s not right.", "The user said it was wrong: That's not right"),
+        ("wrong", "The user said it was wrong: wrong"),
         ("No. Use Celsius.", "The user corrected: Use Celsius"),
     ],
 )
@@ -468,8 +468,32 @@ def test_a_lesson_is_keyed_by_what_was_asked_not_by_the_correction_and_a_reask_t
              {"role": "user", "content": "Is it late at home? Please answer the question."},
              {"role": "assistant", "content": "It is 9:00 in Paris."}, {"role": "user", "content": "No, I meant Lisbon time."}]
     call = {"function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
-    retry = SimpleNamespace(prompt_messages=asked, tool_calls=[call])
+    retry = SimpleNamespace(prompt_messages=asked, tool_calls=[call], next_state_kind=None, next_state=None)
     text, kind = lesson_for(Verdict(1, None, "the user said thanks", "rules"), [retry])
     assert (text, kind) == ('When asked "Is it late at home?": calling now({"timezone": "Lisbon"}) was right.', "success")
+    bare = Verdict(-1, "The user said it was wrong: That's wrong", "the user corrected the answer", "rules")
+    assert lesson_for(bare, [retry]) is None  # says only that it was wrong: nothing to reuse
     reask = Verdict(-1, "The user had to ask again: Is it late at home", "the user asked again", "rules")
-    assert lesson_for(reask, [SimpleNamespace(prompt_messages=asked[:1], tool_calls=[])]) is None
+    assert lesson_for(reask, [SimpleNamespace(prompt_messages=asked[:1], tool_calls=[], next_state_kind=None,
+                                              next_state=None)]) is None  # fmt: skip
+
+
+def test_a_success_lesson_leaves_out_the_calls_that_failed():
+    from types import SimpleNamespace
+
+    from whet.learner.judge import Verdict
+    from whet.learner.lessons import lesson_for
+
+    asked = [{"role": "user", "content": "Is it late at home?"}]
+    bad = {"id": "c1", "function": {"name": "now", "arguments": '{"timezone": "Champagne"}'}}
+    good = {"id": "c2", "function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
+
+    def step(call, content):
+        results = {"results": [{"tool_call_id": call["id"], "name": "now", "content": content}]}
+        return SimpleNamespace(prompt_messages=asked, tool_calls=[call], next_state_kind="tool_result", next_state=results)
+
+    thanks = Verdict(1, None, "the user said thanks", "rules")
+    failed = step(bad, "error: Unknown timezone 'Champagne'.")
+    assert lesson_for(thanks, [failed]) is None  # the answer did not come from that call
+    text, kind = lesson_for(thanks, [failed, step(good, '{"time": "09:00"}')])
+    assert kind == "success" and "Lisbon" in text and "Champagne" not in text

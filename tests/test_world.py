@@ -137,6 +137,15 @@ def test_the_simulated_user_thanks_when_served_right_and_corrects_when_wrong():
     assert correction_hint("No, I meant Lisbon time.") == "The user meant Lisbon time"
 
 
+def test_the_simulated_user_does_not_take_an_error_message_as_an_answer_whatever_it_names():
+    task = next(t for t in World(PROFILE, 0).heldout_tasks(5) if t.intent == "time_home")
+    user = SimulatedUser(PROFILE, seed=0)
+    echoed = "<tool_response>\nerror: Unknown timezone 'Champagne'. Try a city like 'Lisbon' or UTC+5:30"
+    assert task.answer_ok(echoed) and task.mentions_preference(echoed)  # the words are there...
+    assert not user.satisfied(task, echoed)  # ...but a person reads an error
+    assert user.satisfied(task, "It is 10:15 on Friday in Lisbon.")
+
+
 def _score(reply: str, asked: str) -> int:
     """The rules judge's score for the user's reply to the answer to ``asked``."""
     state = NextState("user_message", {"messages": [{"role": "user", "content": reply}]})

@@ -27,7 +27,7 @@ class SimulatedUser:
 
     def satisfied(self, task: Task, answer: str) -> bool:
         """Whether the answer, as the user reads it, does what they asked."""
-        return task.answer_ok(answer) and task.mentions_preference(answer)
+        return not reads_as_failure(answer) and task.answer_ok(answer) and task.mentions_preference(answer)
 
     def reply(self, task: Task, answer: str) -> str:
         """The user's next message after ``answer`` to ``task``."""
@@ -50,6 +50,13 @@ class SimulatedUser:
             return self.rng.choice(GENERAL_CORRECTION)
         pool = [v for v in _VALUES[task.intent] if v.casefold() != task.preference.casefold()]
         return task.correction.replace(task.preference, self.rng.choice(pool))
+
+
+def reads_as_failure(answer: str) -> bool:
+    """An answer that reports an error, or shows raw tool markup: a person does not take it as
+    done, whatever city or time the error message happens to contain."""
+    text = answer.casefold()
+    return "error" in text or "<tool_" in text or "did not work" in text
 
 
 # where a wrong correction takes its value from, by personal intent
