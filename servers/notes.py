@@ -92,8 +92,11 @@ class Forgotten(BaseModel):
 
 
 def named_user(ctx: Context | None) -> str | None:
-    """The user named in the request's ``_meta["whet/user"]``, if any."""
-    meta = ctx.request_context.meta if ctx is not None else None
+    """The user named in the request's ``_meta["whet/user"]``, if any (none outside a request)."""
+    try:
+        meta = ctx.request_context.meta if ctx is not None else None
+    except ValueError:  # called in-process without a request (e.g. MCPServer.call_tool directly)
+        meta = None
     user = (meta or {}).get(USER_META_KEY)
     return user if isinstance(user, str) and user else None
 
@@ -232,8 +235,15 @@ _Limit = Annotated[int, Field(ge=1, le=500, description="Most items to return.")
 _NoteId = Annotated[int, Field(description="The id shown by add_note, list_notes or search_notes.")]
 
 
-def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) -> MCPServer:
-    """An MCP server over the notebook at `db_path` (":memory:" for a throwaway one); creates the tables."""
+def build_server(
+    db_path: str | Path, now: Callable[[], datetime] = _utc_now, *, forget_tool: bool = False
+) -> MCPServer:
+    """An MCP server over the notebook at `db_path` (":memory:" for a throwaway one); creates the tables.
+
+    ``forget_tool`` adds ``whet_forget_user`` (the stdio server, `python -m whet.servers.notes`,
+    offers it); off by default, so an in-process tool list (the warm-start data's) is what a
+    model is shown.
+    """
     notebook = NoteBook(db_path, now)
     server = MCPServer(
         "whet-notes",
@@ -288,6 +298,12 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
         """Delete a note or todo for good by id. Returns what was deleted."""
         return Deleted(deleted=notebook.delete(caller(ctx), note_id))
 
+    if forget_tool:
+        _add_forget_tool(server, notebook)
+    return server
+
+
+def _add_forget_tool(server: MCPServer, notebook: NoteBook) -> None:
     @server.tool(name=FORGET_TOOL, title="Forget the calling user", annotations=_DELETES)
     def forget_user(ctx: Context | None = None) -> Forgotten:
         """Delete every note and todo of the user named in the request's _meta (whet/user).
@@ -299,15 +315,13 @@ def build_server(db_path: str | Path, now: Callable[[], datetime] = _utc_now) ->
             raise NoteError(f"Name the user to forget in the request's _meta['{USER_META_KEY}'].")
         return Forgotten(user=owner, deleted=notebook.forget(owner))
 
-    return server
-
 
 def main() -> None:
     """Serve the notebook at argv[1], else $WHET_NOTES_DB, else ~/.local/share/whet/notes.db, over stdio."""
     path = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("WHET_NOTES_DB", DEFAULT_DB_PATH))
     path = path.expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    build_server(path).run("stdio")
+    build_server(path, forget_tool=True).run("stdio")
 
 
 if __name__ == "__main__":

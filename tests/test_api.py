@@ -35,7 +35,7 @@ def bundled_tools(tmp_path: Path) -> ToolPool:
     servers = {
         "calc": calc.build_server(),
         "clock": clock.build_server(),
-        "notes": notes.build_server(tmp_path / "notes.db"),
+        "notes": notes.build_server(tmp_path / "notes.db", forget_tool=True),  # as the stdio server
     }
     return ToolPool([], in_memory=servers)
 

@@ -53,7 +53,7 @@ async def assert_every_tool_is_annotated(client: Client, expected: set[str]) -> 
 
 
 async def test_notes_tools_are_annotated_and_only_deleting_is_destructive() -> None:
-    async with Client(notes.build_server(":memory:")) as client:
+    async with Client(notes.build_server(":memory:", forget_tool=True)) as client:
         tools = await assert_every_tool_is_annotated(
             client, {"add_note", "list_notes", "search_notes", "complete_todo", "delete_note", "whet_forget_user"}
         )
@@ -359,7 +359,7 @@ async def test_convert_time_between_zones_follows_daylight_saving() -> None:
 
 
 async def test_notes_are_kept_apart_per_user_named_in_the_request_meta() -> None:
-    async with Client(notes.build_server(":memory:")) as client:
+    async with Client(notes.build_server(":memory:", forget_tool=True)) as client:
         alice, bob = {"whet/user": "alice"}, {"whet/user": "bob"}
         await client.call_tool("add_note", {"text": "bank PIN 4711"}, meta=alice)
         await client.call_tool("add_note", {"text": "standalone note"})
@@ -381,6 +381,13 @@ async def test_notes_are_kept_apart_per_user_named_in_the_request_meta() -> None
         assert [n["text"] for n in default.structured_content["notes"]] == ["standalone note"]
         assert (await client.call_tool("whet_forget_user", {}, meta={"whet/user": "default"})).structured_content[
             "deleted"] == 1  # fmt: skip
+
+
+async def test_the_in_process_notebook_lists_no_forget_tool_and_serves_calls_without_a_request() -> None:
+    server = notes.build_server(":memory:")
+    assert "whet_forget_user" not in {tool.name for tool in await server.list_tools()}
+    added = await server.call_tool("add_note", {"text": "no request here"})  # no request context at all
+    assert not added.is_error and added.structured_content["text"] == "no request here"
 
 
 def test_a_notebook_from_before_users_keeps_its_notes_in_the_standalone_namespace(tmp_path) -> None:
