@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
-from whet.memory.tables import TurnPublic, new_turn_id
+from whet.memory.tables import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
@@ -262,7 +262,7 @@ async def _remember_tip(res: Resources, request: TurnRequest, result: AgentResul
 
 
 async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequest) -> AsyncIterator[str]:
-    chunk_id = new_turn_id()
+    chunk_id = request.answer_turn_id  # one id for the whole stream: the turn that answers
     created = int(time.time())
     started = time.perf_counter()
 
@@ -277,7 +277,6 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
         # aclosing: however this stream ends, the agent's adapter lease ends with it
         async with aclosing(res.agent.events(request)) as events:
             async for event in events:
-                chunk_id = event.turn_id if isinstance(event, Delta) else event.turn.id
                 if not opened:  # the first chunk names the role, under the id of the turn that speaks
                     opened = True
                     yield chunk({"role": "assistant", "content": ""})
