@@ -148,7 +148,8 @@ class Agent:
             content = "".join(shown).strip()
             if not calls and not errors:
                 messages.append({"role": "assistant", "content": generation.content})
-                yield self._result(turn, content, [], generation.finish_reason, usage, messages)
+                finish = "stop" if generation.finish_reason == "tool_calls" else generation.finish_reason
+                yield self._result(turn, content, [], finish, usage, messages)
                 return
             server_calls = [c for c in calls if c.name not in client_names]
             if server_calls or errors:

@@ -23,7 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from whet.config.settings import WhetConfig
 from whet.memory.tables import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
-from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
+from whet.runtime.chat import (
+    choice_logprobs,
+    completion_body,
+    new_session_messages,
+    sse_chunk,
+    stream_tool_calls,
+)
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
@@ -131,11 +137,7 @@ def _install_routes(app: FastAPI) -> None:
         auth_user: AuthDep,
         x_whet_session: Annotated[str | None, Header(max_length=128)] = None,
     ) -> Response:
-        if body.model not in (res.model_name, res.backend.model_name):
-            raise ApiError(
-                404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
-                param="model",
-            )
+        _check_request(res, body)
         request = await _turn_request(res, body, auth_user, x_whet_session)
         headers = {"X-Whet-Session": request.session_id, "X-Whet-Request": request.request_id}
         if body.stream:
@@ -149,7 +151,8 @@ def _install_routes(app: FastAPI) -> None:
         res.metrics.latency.observe(time.perf_counter() - started)
         await _remember_tip(res, request, result)
         headers["X-Whet-Turn"] = result.turn.id
-        return JSONResponse(completion_body(result, res.model_name), headers=headers)
+        logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
+        return JSONResponse(completion_body(result, res.model_name, logprobs), headers=headers)
 
     @app.post("/v1/feedback", status_code=201)
     async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
@@ -178,11 +181,14 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:
-        card = ModelCard(
-            id=res.model_name, created=int(res.started_at), backend=res.config.model.backend,
-            adapter=res.adapters.current(auth_user or res.config.server.default_user),
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[_model_card(res, auth_user)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, res: ResourcesDep, auth_user: AuthDep) -> ModelCard:
+        if model_id not in (res.model_name, res.backend.model_name):
+            raise ApiError(404, f"model '{model_id}' not found; this server serves '{res.model_name}'",
+                           code="model_not_found", param="model")  # fmt: skip
+        return _model_card(res, auth_user)
 
     @app.get("/v1/tools")
     async def tools(res: ResourcesDep, auth_user: AuthDep) -> list[ToolPublic]:
@@ -203,6 +209,26 @@ def _install_routes(app: FastAPI) -> None:
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _model_card(res: Resources, auth_user: str | None) -> ModelCard:
+    return ModelCard(
+        id=res.model_name, created=int(res.started_at), backend=res.config.model.backend,
+        adapter=res.adapters.current(auth_user or res.config.server.default_user),
+    )
+
+
+def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
+    """Refuse, by field, what this server would otherwise have to ignore."""
+    if res.config.server.strict_model_names and body.model not in (res.model_name, res.backend.model_name):
+        raise ApiError(
+            404, f"model '{body.model}' not found; this server serves '{res.model_name}'", code="model_not_found",
+            param="model",
+        )
+    refused = body.unsupported()
+    if refused is not None:
+        field, why = refused
+        raise ApiError(400, f"{field}: {why}", code="unsupported_value", param=field)
 
 
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):
@@ -235,7 +261,8 @@ async def _turn_request(
     )
     client_tools = [t.model_dump() for t in body.tools or []]
     # no adapter here: the agent pins one when the request starts and holds it to the end
-    return TurnRequest(user_id, session_id, messages, client_tools, params)
+    tool_choice = "none" if body.tool_choice == "none" else "auto"
+    return TurnRequest(user_id, session_id, messages, client_tools, params, tool_choice=tool_choice)
 
 
 async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
@@ -266,8 +293,8 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
     created = int(time.time())
     started = time.perf_counter()
 
-    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-        return sse_chunk(chunk_id, created, res.model_name, delta, finish, **extra)
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, logprobs=None, **extra: Any) -> str:
+        return sse_chunk(chunk_id, created, res.model_name, delta, finish, logprobs, **extra)
 
     def failed(message: str, kind: str) -> str:
         return chunk(None, error={"message": message, "type": kind})
@@ -286,7 +313,8 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
                 result: AgentResult = event
                 if result.client_tool_calls:
                     yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
-                yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
+                logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
+                yield chunk({}, result.finish_reason, logprobs, system_fingerprint=result.turn.policy_version)
                 if body.stream_options and body.stream_options.include_usage:
                     yield chunk(None, usage=result.usage)
                 await _remember_tip(res, request, result)

@@ -65,6 +65,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema carries its schema
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -73,7 +88,14 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, gt=0)
@@ -96,6 +118,23 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("the last message must be from the user (or a tool result for a client-side tool)")
         return self
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this server cannot honour as asked; None when all can be."""
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return "tool_choice", "forcing a tool call is not supported by this server; use 'auto' or 'none'"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", f"'{self.response_format.type}' output is not enforced by this server; use 'text'"
+        if self.top_logprobs:
+            return "top_logprobs", "the engine records only the sampled token's log-prob; use logprobs without top_logprobs"
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                return name, "penalties are not supported by this server; leave it unset or 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server; leave it unset"
+        if self.parallel_tool_calls is False:
+            return "parallel_tool_calls", "the agent runs a step's tool calls together; leave it unset or true"
+        return None
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -115,11 +154,22 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ToolCallWire] | None = None
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
