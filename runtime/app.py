@@ -12,12 +12,14 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from importlib import resources
 from typing import Annotated, Any
 
 import structlog
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
@@ -37,11 +39,16 @@ from whet.runtime.schemas import (
     ErrorBody,
     FeedbackAck,
     FeedbackRequest,
+    LearningView,
+    LessonView,
     ModelCard,
     ModelList,
+    SessionDetail,
+    SessionSummary,
     ToolPublic,
 )
 from whet.runtime.state import Resources, open_resources
+from whet.runtime.views import learning_view, session_detail, session_list
 
 log = structlog.get_logger()
 
@@ -96,6 +103,7 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     app.add_middleware(RequestContextMiddleware)
     _install_error_handlers(app)
     _install_routes(app)
+    _install_web_routes(app)
     return app
 
 
@@ -229,6 +237,54 @@ def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
     if refused is not None:
         field, why = refused
         raise ApiError(400, f"{field}: {why}", code="unsupported_value", param=field)
+
+
+def _install_web_routes(app: FastAPI) -> None:
+    """The page at ``/`` (static files, no data: it asks for a key) and the JSON it reads."""
+    web = resources.files("whet.runtime") / "web"
+    app.mount("/web", StaticFiles(directory=str(web)), name="web")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(str(web / "index.html"), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/sessions")
+    async def sessions(
+        res: ResourcesDep, auth_user: AuthDep, user: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    ) -> list[SessionSummary]:
+        return await session_list(res.store, _page_user(res, auth_user, user), limit)
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: str, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> SessionDetail:
+        found = await res.store.get_session(session_id)
+        if found is None or found.user_id != _page_user(res, auth_user, user):
+            raise ApiError(404, f"session '{session_id}' not found", code="session_not_found", param="session_id")
+        return await session_detail(res.store, session_id)
+
+    @app.get("/v1/learning")
+    async def learning(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> LearningView:
+        status = await res.learner.status() if res.learner else None
+        return await learning_view(res.store, res.config.learner.scope, status, _page_user(res, auth_user, user))
+
+    @app.get("/v1/lessons")
+    async def lessons(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> list[LessonView]:
+        rows = await res.store.list_lessons(_page_user(res, auth_user, user))
+        return [LessonView.model_validate(row, from_attributes=True) for row in rows]
+
+    @app.delete("/v1/lessons/{lesson_id}", status_code=204)
+    async def delete_lesson(lesson_id: int, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> Response:
+        lesson = await res.store.get_lesson(lesson_id)
+        if lesson is None or lesson.user_id != _page_user(res, auth_user, user):
+            raise ApiError(404, f"lesson {lesson_id} not found", code="lesson_not_found", param="lesson_id")
+        await res.store.delete_lesson(lesson_id)
+        res.index.remove(lesson_id)  # retrieval stops offering it with the very next request
+        return Response(status_code=204)
+
+
+def _page_user(res: Resources, auth_user: str | None, asked: str | None) -> str:
+    """The key's user; with keys off, the ``user`` asked for or the default user."""
+    return auth_user or asked or res.config.server.default_user
 
 
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):

@@ -6,6 +6,7 @@ them to the `*Public` models here or in `whet.memory.store`.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -241,3 +242,84 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+
+
+# ----------------------------------------------------------------------------- what the web page reads
+
+
+class SessionSummary(BaseModel):
+    id: str
+    title: str  # the first thing the user said
+    turns: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class ToolStep(BaseModel):
+    name: str
+    arguments: str
+    result: str | None  # None: not run here (a client-side tool) or not answered yet
+    is_error: bool = False
+
+
+class Exchange(BaseModel):
+    """One chat request: what the user said, the tool steps, and the answer."""
+
+    request_id: str
+    user: str | None
+    tools: list[ToolStep]
+    answer: str
+    turn_id: str  # the answering turn: what feedback rates
+    policy_version: str | None
+    created_at: datetime
+    feedback: list[dict[str, Any]]  # {"score", "text"} in the order given
+    verdict: dict[str, Any] | None  # the learner's {"score", "hint", "reason"} once judged
+
+
+class SessionDetail(BaseModel):
+    id: str
+    exchanges: list[Exchange]
+    messages: list[dict[str, Any]]  # the conversation to send back to continue it
+
+
+class AdapterView(BaseModel):
+    id: str
+    scope: str
+    user_id: str | None
+    status: str  # live | candidate | rejected | retired | rolled back
+    parent: str | None
+    created_at: datetime
+    promoted_at: datetime | None
+    gate: dict[str, Any] | None  # accepted, reason and the gate's numbers
+    train: dict[str, Any] | None
+    rolled_back: str | None  # why, when it was
+
+
+class JudgedTurn(BaseModel):
+    turn_id: str
+    session_id: str
+    created_at: datetime
+    score: int
+    hint: str | None
+    reason: str
+    judge: str
+    policy_version: str | None
+    action: str  # what the model did: its text, or its tool calls
+    next_state: str  # what followed, as text
+
+
+class LessonView(BaseModel):
+    id: int
+    text: str
+    kind: str
+    source_turn_id: str | None
+    created_at: datetime
+
+
+class LearningView(BaseModel):
+    scope: str  # learner.scope: global | user
+    learner: dict[str, Any] | None  # the in-process learner's counters; None when it runs elsewhere
+    live: dict[str, str | None]  # scope -> live version (None = base weights)
+    adapters: list[AdapterView]  # oldest first
+    judgments: list[JudgedTurn]  # newest first
+    lessons: list[LessonView]  # oldest first
