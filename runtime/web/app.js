@@ -144,7 +144,8 @@ function assistantMessage() {
 function toolStep(step) {
   let args = step.arguments;
   try { args = JSON.stringify(JSON.parse(step.arguments)); } catch { /* shown as sent */ }
-  const result = step.result === null ? "(run by the client)" : step.result;
+  let result = step.result === null ? "(run by the client)" : step.result;
+  try { result = JSON.stringify(JSON.parse(result)); } catch { /* plain text result */ }
   return el("div", { class: `tool${step.is_error ? " error" : ""}` },
     el("span", { class: "name" }, `🔧 ${step.name}`), " ", el("span", { class: "args" }, args),
     el("div", { class: "result" }, step.is_error ? result : `→ ${result}`));
@@ -189,7 +190,8 @@ function feedbackBar(view, turnId, version, given = [], verdict = null) {
     el("button", { title: "good answer", "data-action": "up", onclick: () => send("up", "") }, "👍"),
     el("button", { title: "bad answer", "data-action": "down", onclick: openCorrection }, "👎"),
     el("button", { class: "link", "data-action": "correct", onclick: openCorrection }, "correct this"),
-    status, verdictNode);
+    status);
+  if (verdictNode) view.foot.append(verdictNode);
   view.foot.after(correction);
 }
 
