@@ -566,6 +566,16 @@ class Store:
         }
         return await self._run(lambda db: {name: db.execute(s).rowcount for name, s in statements.items()})
 
+    async def learning_counts(self) -> dict[str, dict[str, int]]:
+        """Verdicts by score and adapter versions by status, for /metrics."""
+
+        def work(db: Session) -> dict[str, dict[str, int]]:
+            verdicts = {f"{score:+d}" if score else "0": n for score, n in db.exec(_grouped_count(Judgment.score))}
+            adapters = {status: n for status, n in db.exec(_grouped_count(Adapter.status))}
+            return {"verdicts": verdicts, "adapters": adapters}
+
+        return await self._run(work)
+
     async def stats(self) -> dict[str, int]:
         """Row counts for /metrics."""
         queries = {
@@ -579,6 +589,10 @@ class Store:
             "judgments": select(func.count()).select_from(Judgment),
         }
         return await self._run(lambda db: {name: int(db.exec(q).one()) for name, q in queries.items()})
+
+
+def _grouped_count(column: Any) -> Any:
+    return select(column, func.count()).group_by(column)
 
 
 def _live_query(scope: str, user_id: str | None) -> Any:

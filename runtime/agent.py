@@ -281,7 +281,7 @@ class Agent:
         async def one(i: int, call: ToolCall) -> None:
             result = await self.tools.call(call.name, call.arguments)
             if self.metrics is not None:
-                self.metrics.tool_called(result.server or "unknown", result.is_error)
+                self.metrics.tool_called(result.server or "unknown", result.is_error, call.name)
             content = f"error: {result.content}" if result.is_error else result.content
             results[i] = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
 

@@ -32,6 +32,7 @@ from whet.runtime.chat import (
     sse_chunk,
     stream_tool_calls,
 )
+from whet.runtime.metrics import RequestTimer
 from whet.runtime.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
@@ -101,6 +102,7 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestTimer)
     _install_error_handlers(app)
     _install_routes(app)
     _install_web_routes(app)
@@ -216,6 +218,8 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
+        steps = (await res.learner.status())["steps"] if res.learner else None
+        res.metrics.learning(await res.store.learning_counts(), res.adapters.live_version(), steps)
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

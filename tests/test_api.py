@@ -214,7 +214,7 @@ async def test_models_tools_health_and_metrics_describe_the_service(tmp_path):
         await client.post("/v1/chat/completions", json=chat_body("17*23"))
         metrics = (await client.get("/metrics")).text
         assert 'whet_turns_total{policy_version="base"} 2.0' in metrics
-        assert 'whet_tool_calls_total{outcome="ok",server="calc"} 1.0' in metrics
+        assert 'whet_tool_calls_total{outcome="ok",server="calc",tool="calculate"} 1.0' in metrics
 
 
 async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path):
