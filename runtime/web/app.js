@@ -105,6 +105,7 @@ async function loadSessions() {
 }
 
 async function openSession(id) {
+  document.querySelectorAll("#session-list li").forEach((li) => li.classList.toggle("active", li.dataset.session === id));
   const detail = await api(`/v1/sessions/${encodeURIComponent(id)}`);
   state.session = id;
   state.messages = detail.messages;
