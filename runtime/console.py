@@ -28,6 +28,9 @@ def run_chat(url: str, api_key: str | None, model: str | None, read: Reader = in
         try:
             model = model or _served_model(client, url, api_key)
             return _loop(client, model, read)
+        except KeyboardInterrupt:
+            print()
+            return 130
         except ChatError as exc:
             print(f"\nwhet: {exc}", file=sys.stderr)
             return 1

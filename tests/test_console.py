@@ -91,3 +91,12 @@ def test_a_keyed_server_without_a_key_says_the_key_is_missing(capsys):
     assert run_chat("http://whet", None, None, lines(), transport) == 1
     err = capsys.readouterr().err
     assert "needs an API key" in err and "--api-key" in err and "whet serve" not in err
+
+
+def test_ctrl_c_ends_the_chat_without_a_traceback(capsys):
+    def interrupted(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    transport, _ = server(lambda r: httpx.Response(200, content=sse(chunk("Hello"))))
+    assert run_chat("http://whet", None, None, interrupted, transport) == 130
+    assert "Traceback" not in capsys.readouterr().err
