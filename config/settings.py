@@ -100,6 +100,9 @@ class ServerConfig(Section):
     admin_users: list[str] = Field(default_factory=list)
     default_user: str = "default"
     max_body_bytes: int = Field(1_000_000, gt=0)
+    # false: a request naming another model is served by the one model here (clients keep their own
+    # model names); true: such a request gets 404
+    strict_model_names: bool = False
 
     @field_validator("admin_users")
     @classmethod

@@ -199,6 +199,16 @@ class Store:
 
         await self._run(work)
 
+    async def list_sessions(self, user_id: str, limit: int = 50) -> list[ChatSession]:
+        """The user's sessions, most recently updated first."""
+        query = (
+            select(ChatSession)
+            .where(ChatSession.user_id == user_id)
+            .order_by(ChatSession.updated_at.desc())
+            .limit(limit)
+        )
+        return await self._run(lambda db: list(db.exec(query).all()))
+
     # ---- turns
 
     async def add_turn(self, turn: TurnCreate, *, turn_id: str | None = None) -> Turn:
@@ -333,6 +343,11 @@ class Store:
             query = query.where(Lesson.user_id == user_id)
         return await self._run(lambda db: list(db.exec(query).all()))
 
+    async def delete_lesson(self, lesson_id: int) -> bool:
+        """Delete one lesson row; True if it existed. The index entry is the caller's to remove."""
+        statement = sa_delete(Lesson).where(Lesson.id == lesson_id)
+        return await self._run(lambda db: db.execute(statement).rowcount == 1)
+
     # ---- adapters
 
     async def add_adapter(self, adapter: Adapter) -> Adapter:
@@ -433,6 +448,17 @@ class Store:
             query = query.where(Judgment.trained_in == trained_in)
         query = query.order_by(Judgment.created_at, Judgment.turn_id).limit(limit)
         return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def recent_judgments(self, user_id: str, limit: int = 200) -> list[tuple[Judgment, Turn]]:
+        """The user's verdicts with their turns, newest first."""
+        query = (
+            select(Judgment, Turn)
+            .join(Turn, Turn.id == Judgment.turn_id)
+            .where(Judgment.user_id == user_id)
+            .order_by(Judgment.created_at.desc(), Judgment.turn_id)
+            .limit(limit)
+        )
+        return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
 
     async def samples(
         self, *, split: str, user_id: str | None = None, untrained: bool = False, limit: int = 256
@@ -546,6 +572,16 @@ class Store:
         }
         return await self._run(lambda db: {name: db.execute(s).rowcount for name, s in statements.items()})
 
+    async def learning_counts(self) -> dict[str, dict[str, int]]:
+        """Verdicts by score and adapter versions by status, for /metrics."""
+
+        def work(db: Session) -> dict[str, dict[str, int]]:
+            verdicts = {f"{score:+d}" if score else "0": n for score, n in db.exec(_grouped_count(Judgment.score))}
+            adapters = {status: n for status, n in db.exec(_grouped_count(Adapter.status))}
+            return {"verdicts": verdicts, "adapters": adapters}
+
+        return await self._run(work)
+
     async def stats(self) -> dict[str, int]:
         """Row counts for /metrics."""
         queries = {
@@ -559,6 +595,10 @@ class Store:
             "judgments": select(func.count()).select_from(Judgment),
         }
         return await self._run(lambda db: {name: int(db.exec(q).one()) for name, q in queries.items()})
+
+
+def _grouped_count(column: Any) -> Any:
+    return select(column, func.count()).group_by(column)
 
 
 def _live_query(scope: str, user_id: str | None) -> Any:

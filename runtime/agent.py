@@ -49,6 +49,11 @@ class TurnRequest:
     # sets it when the request starts, from the version live for the user then
     adapter: str | None = None
     request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex)
+    # "auto": the model may call tools; "none": it answers in words and no call is acted on
+    tool_choice: str = "auto"
+    # the id of the turn that answers (the response id), drawn up front so a stream names it from its
+    # first chunk; the intermediate tool steps get ids of their own
+    answer_turn_id: str = field(default_factory=new_turn_id)
 
 
 @dataclass
@@ -63,8 +68,7 @@ class AgentResult:
 
 @dataclass
 class Delta:
-    text: str
-    turn_id: str  # the turn this text belongs to (ids are assigned before generation)
+    text: str  # user-visible text; the deltas of one request join into AgentResult.content
 
 
 class Agent:
@@ -117,47 +121,81 @@ class Agent:
 
     async def _steps(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
         messages = await self._context(request)
-        tools = await self._tool_specs(request, messages)
+        tools = [] if request.tool_choice == "none" else await self._tool_specs(request, messages)
         client_names = {t["function"]["name"] for t in request.client_tools}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        shown: list[str] = []  # every text delta the client saw: the reply is all of it, across steps
         for step in range(self.config.max_steps):
-            turn_id, generation = new_turn_id(), None
+            generation = None
             async for item in self._generate(messages, tools, request):
                 if isinstance(item, Generation):
                     generation = item
-                else:
-                    yield Delta(item, turn_id)
+                    continue
+                if shown and not shown[-1][-1:].isspace() and not item[:1].isspace():
+                    item = "\n\n" + item  # a new step's text starts a new paragraph
+                shown.append(item)
+                yield Delta(item)
             assert generation is not None
             for key, value in generation.usage.items():
                 usage[key] += value
-            turn = await self._record(request, turn_id, step, messages, tools, generation)
             calls, errors = generation.tool_calls, generation.tool_call_errors
+            if request.tool_choice == "none":
+                calls, errors = [], []  # markup the model wrote anyway is not acted on (nor shown)
+            client_calls = [c for c in calls if c.name in client_names]
+            final = (not calls and not errors) or bool(client_calls) or step == self.config.max_steps - 1
+            turn_id = request.answer_turn_id if final else new_turn_id()
+            turn = await self._record(request, turn_id, step, messages, tools, generation)
+            content = "".join(shown).strip()
             if not calls and not errors:
                 messages.append({"role": "assistant", "content": generation.content})
-                yield self._result(turn, generation.content, [], generation.finish_reason, usage, messages)
+                finish = "stop" if generation.finish_reason == "tool_calls" else generation.finish_reason
+                yield self._result(turn, content, [], finish, usage, messages)
                 return
-            client_calls = [c for c in calls if c.name in client_names]
+            server_calls = [c for c in calls if c.name not in client_names]
+            if server_calls or errors:
+                # run what the server can even when the client has calls of its own; nothing is dropped
+                results = await self._act(server_calls, errors, request.user_id)
+                messages.append(_assistant_message(generation.content, calls if client_calls else server_calls))
+                messages.extend(results)
+                await self.experience.close(turn.id, "tool_result", {"results": results})
             if client_calls:
-                messages.append(_assistant_message(generation.content, client_calls))
-                yield self._result(turn, generation.content, client_calls, "tool_calls", usage, messages)
+                if not server_calls:
+                    messages.append(_assistant_message(generation.content, client_calls))
+                yield self._result(turn, content, client_calls, "tool_calls", usage, messages)
                 return
-            results = await self._act(calls, errors, request.user_id)
-            messages.append(_assistant_message(generation.content, calls))
-            messages.extend(results)
-            await self.experience.close(turn.id, "tool_result", {"results": results})
-        content = generation.content or f"I stopped after {self.config.max_steps} tool steps without a final answer."
-        yield self._result(turn, content, [], "length", usage, messages)
+        if not shown:
+            shown.append(f"I stopped after {self.config.max_steps} tool steps without a final answer.")
+            yield Delta(shown[0])
+        yield self._result(turn, "".join(shown).strip(), [], "length", usage, messages)
 
     def _result(self, turn, content, calls, finish, usage, messages) -> AgentResult:
         return AgentResult(turn, content, calls, finish, dict(usage), messages)
 
     async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
-        messages = [dict(m) for m in request.messages]
+        messages = await self._with_server_results(request.session_id, [dict(m) for m in request.messages])
         lessons = await self._lessons(request.user_id, last_user_text(messages))
         system = self.config.system_prompt
         if messages and messages[0]["role"] == "system":
             system = messages.pop(0)["content"] or ""
         return [{"role": "system", "content": with_lessons(system, lessons)}, *messages]
+
+    async def _with_server_results(self, session_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Put back the MCP calls (and their results) of a step that also returned client calls.
+
+        The client only ever saw its own calls; the model must see the whole step it took.
+        """
+        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+        if last is None or not messages[last].get("tool_calls"):
+            return messages
+        client_ids = {c.get("id") for c in messages[last]["tool_calls"]}
+        for turn in await self.experience.store.list_turns(session_id=session_id, limit=4):
+            ids = {c["id"] for c in turn.tool_calls}
+            if client_ids < ids and turn.next_state_kind == "tool_result":
+                server_results = (turn.next_state or {}).get("results") or []
+                messages[last] = {**messages[last], "tool_calls": list(turn.tool_calls)}
+                messages[last + 1:last + 1] = server_results
+                break
+        return messages
 
     async def _lessons(self, user_id: str, query: str) -> list[str]:
         if self.config.lessons_k == 0 or not query or len(self.index) == 0:
@@ -243,7 +281,7 @@ class Agent:
         async def one(i: int, call: ToolCall) -> None:
             result = await self.tools.call(call.name, call.arguments, user=user_id)
             if self.metrics is not None:
-                self.metrics.tool_called(result.server or "unknown", result.is_error)
+                self.metrics.tool_called(result.server or "unknown", result.is_error, call.name)
             content = f"error: {result.content}" if result.is_error else result.content
             results[i] = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
 

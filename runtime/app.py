@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from importlib import resources
 from typing import Annotated, Any
 
 import anyio
@@ -18,14 +19,22 @@ import structlog
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
-from whet.memory.tables import TurnPublic, new_turn_id
+from whet.memory.tables import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
-from whet.runtime.chat import completion_body, new_session_messages, sse_chunk, stream_tool_calls
+from whet.runtime.chat import (
+    choice_logprobs,
+    completion_body,
+    new_session_messages,
+    sse_chunk,
+    stream_tool_calls,
+)
 from whet.runtime.forget import forget_user
+from whet.runtime.metrics import RequestTimer
 from whet.runtime.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -39,12 +48,17 @@ from whet.runtime.schemas import (
     ErrorBody,
     FeedbackAck,
     FeedbackRequest,
+    LearningView,
+    LessonView,
     ModelCard,
     ModelList,
+    SessionDetail,
+    SessionSummary,
     ToolPublic,
     invalid_text_at,
 )
 from whet.runtime.state import Resources, open_resources
+from whet.runtime.views import learning_view, session_detail, session_list
 
 log = structlog.get_logger()
 
@@ -100,12 +114,14 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
     app.state.api_keys = bool(config.server.api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_keys)  # before the body is read: 401 first
+    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_keys, public=WEB_PAGE)  # before the body: 401 first
     app.add_middleware(UnexpectedErrorMiddleware)  # inside the request context, so its log line has the ids
     app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestTimer)
     _install_error_handlers(app)
     _install_routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    _install_web_routes(app)
     return app
 
 
@@ -168,11 +184,7 @@ def _install_routes(app: FastAPI) -> None:
         x_whet_session: Annotated[str | None, Header(max_length=128)] = None,
     ) -> Response:
         _refuse_invalid_text(body)
-        if body.model not in (res.model_name, res.backend.model_name):
-            raise ApiError(
-                404, f"model '{_echo(body.model)}' not found; this server serves '{res.model_name}'", code="model_not_found",
-                param="model",
-            )
+        _check_request(res, body)
         request = await _turn_request(res, body, auth_user, x_whet_session)
         headers = {"X-Whet-Session": request.session_id, "X-Whet-Request": request.request_id}
         if body.stream:
@@ -186,7 +198,8 @@ def _install_routes(app: FastAPI) -> None:
         res.metrics.latency.observe(time.perf_counter() - started)
         await _remember_tip(res, request, result)
         headers["X-Whet-Turn"] = result.turn.id
-        return JSONResponse(completion_body(result, res.model_name), headers=headers)
+        logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
+        return JSONResponse(completion_body(result, res.model_name, logprobs), headers=headers)
 
     @app.post("/v1/feedback", status_code=201)
     async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
@@ -235,11 +248,14 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:
-        card = ModelCard(
-            id=res.model_name, created=int(res.started_at), backend=res.config.model.backend,
-            adapter=res.adapters.current(auth_user or res.config.server.default_user),
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[_model_card(res, auth_user)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, res: ResourcesDep, auth_user: AuthDep) -> ModelCard:
+        if model_id not in (res.model_name, res.backend.model_name):
+            raise ApiError(404, f"model '{model_id}' not found; this server serves '{res.model_name}'",
+                           code="model_not_found", param="model")  # fmt: skip
+        return _model_card(res, auth_user)
 
     @app.get("/v1/tools")
     async def tools(res: ResourcesDep, auth_user: AuthDep) -> list[ToolPublic]:
@@ -259,6 +275,8 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
+        steps = (await res.learner.status())["steps"] if res.learner else None
+        res.metrics.learning(await res.store.learning_counts(), res.adapters.live_version(), steps)
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -271,6 +289,77 @@ def _refuse_invalid_text(body: Any) -> None:
     if (path := invalid_text_at(body)) is not None:
         message = f"{path}: not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text"
         raise ApiError(400, message, code="invalid_value", param=path)
+
+
+def _model_card(res: Resources, auth_user: str | None) -> ModelCard:
+    return ModelCard(
+        id=res.model_name, created=int(res.started_at), backend=res.config.model.backend,
+        adapter=res.adapters.current(auth_user or res.config.server.default_user),
+    )
+
+
+def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
+    """Refuse, by field, what this server would otherwise have to ignore."""
+    if res.config.server.strict_model_names and body.model not in (res.model_name, res.backend.model_name):
+        raise ApiError(
+            404, f"model '{_echo(body.model)}' not found; this server serves '{res.model_name}'", code="model_not_found",
+            param="model",
+        )
+    refused = body.unsupported()
+    if refused is not None:
+        field, why = refused
+        raise ApiError(400, f"{field}: {why}", code="unsupported_value", param=field)
+
+
+WEB_PAGE = ("/", "/web/")  # the page's static files: no data, served without a key (the page asks for one)
+
+
+def _install_web_routes(app: FastAPI) -> None:
+    """The page at ``/`` (static files, no data: it asks for a key) and the JSON it reads."""
+    web = resources.files("whet.runtime") / "web"
+    app.mount("/web", StaticFiles(directory=str(web)), name="web")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(str(web / "index.html"), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/sessions")
+    async def sessions(
+        res: ResourcesDep, auth_user: AuthDep, user: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    ) -> list[SessionSummary]:
+        return await session_list(res.store, _page_user(res, auth_user, user), limit)
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: str, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> SessionDetail:
+        found = await res.store.get_session(session_id)
+        if found is None or found.user_id != _page_user(res, auth_user, user):
+            raise ApiError(404, f"session '{session_id}' not found", code="session_not_found", param="session_id")
+        return await session_detail(res.store, session_id)
+
+    @app.get("/v1/learning")
+    async def learning(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> LearningView:
+        status = await res.learner.status() if res.learner else None
+        return await learning_view(res.store, res.config.learner.scope, status, _page_user(res, auth_user, user))
+
+    @app.get("/v1/lessons")
+    async def lessons(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> list[LessonView]:
+        rows = await res.store.list_lessons(_page_user(res, auth_user, user))
+        return [LessonView.model_validate(row, from_attributes=True) for row in rows]
+
+    @app.delete("/v1/lessons/{lesson_id}", status_code=204)
+    async def delete_lesson(lesson_id: int, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> Response:
+        lesson = await res.store.get_lesson(lesson_id)
+        if lesson is None or lesson.user_id != _page_user(res, auth_user, user):
+            raise ApiError(404, f"lesson {lesson_id} not found", code="lesson_not_found", param="lesson_id")
+        await res.store.delete_lesson(lesson_id)
+        res.index.remove(lesson_id)  # retrieval stops offering it with the very next request
+        return Response(status_code=204)
+
+
+def _page_user(res: Resources, auth_user: str | None, asked: str | None) -> str:
+    """The key's user; with keys off, the ``user`` asked for or the default user."""
+    return auth_user or asked or res.config.server.default_user
 
 
 async def _owned_turn(res: Resources, turn_id: str, auth_user: str | None):
@@ -303,7 +392,8 @@ async def _turn_request(
     )
     client_tools = [t.model_dump() for t in body.tools or []]
     # no adapter here: the agent pins one when the request starts and holds it to the end
-    return TurnRequest(user_id, session_id, messages, client_tools, params)
+    tool_choice = "none" if body.tool_choice == "none" else "auto"
+    return TurnRequest(user_id, session_id, messages, client_tools, params, tool_choice=tool_choice)
 
 
 async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
@@ -330,12 +420,12 @@ async def _remember_tip(res: Resources, request: TurnRequest, result: AgentResul
 
 
 async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequest) -> AsyncIterator[str]:
-    chunk_id = new_turn_id()
+    chunk_id = request.answer_turn_id  # one id for the whole stream: the turn that answers
     created = int(time.time())
     started = time.perf_counter()
 
-    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-        return sse_chunk(chunk_id, created, res.model_name, delta, finish, **extra)
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, logprobs=None, **extra: Any) -> str:
+        return sse_chunk(chunk_id, created, res.model_name, delta, finish, logprobs, **extra)
 
     def failed(message: str, kind: str) -> str:
         return chunk(None, error={"message": message, "type": kind})
@@ -345,7 +435,6 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
         # aclosing: however this stream ends, the agent's adapter lease ends with it
         async with aclosing(res.agent.events(request)) as events:
             async for event in events:
-                chunk_id = event.turn_id if isinstance(event, Delta) else event.turn.id
                 if not opened:  # the first chunk names the role, under the id of the turn that speaks
                     opened = True
                     yield chunk({"role": "assistant", "content": ""})
@@ -355,7 +444,8 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
                 result: AgentResult = event
                 if result.client_tool_calls:
                     yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
-                yield chunk({}, result.finish_reason, system_fingerprint=result.turn.policy_version)
+                logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
+                yield chunk({}, result.finish_reason, logprobs, system_fingerprint=result.turn.policy_version)
                 if body.stream_options and body.stream_options.include_usage:
                     yield chunk(None, usage=result.usage)
                 await _remember_tip(res, request, result)

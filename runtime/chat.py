@@ -6,9 +6,18 @@ import json
 import time
 from typing import Any
 
+from whet.memory.tables import Turn
 from whet.runtime.agent import AgentResult
 from whet.runtime.policy import ToolCall
-from whet.runtime.schemas import ChatCompletion, Choice, ResponseMessage, ToolCallWire, Usage
+from whet.runtime.schemas import (
+    ChatCompletion,
+    Choice,
+    ChoiceLogprobs,
+    ResponseMessage,
+    TokenLogprob,
+    ToolCallWire,
+    Usage,
+)
 
 
 def new_session_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -19,7 +28,21 @@ def new_session_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     return messages[start:]
 
 
-def completion_body(result: AgentResult, model: str) -> dict[str, Any]:
+def choice_logprobs(turn: Turn, backend: Any) -> dict[str, Any]:
+    """The answering turn's recorded log-probs in OpenAI's ``choices[].logprobs`` shape.
+
+    Token text comes from the backend's tokenizer; an engine without one (a remote endpoint)
+    names each token as ``token_id:N``, vLLM's own spelling.
+    """
+    tokenizer = getattr(backend, "tokenizer", None)
+    content = []
+    for token_id, logprob in zip(turn.response_token_ids, turn.response_logprobs, strict=False):
+        text = tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode())))
+    return ChoiceLogprobs(content=content).model_dump()
+
+
+def completion_body(result: AgentResult, model: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     calls = [ToolCallWire.model_validate(c.to_openai()) for c in result.client_tool_calls]
     message = ResponseMessage(content=(result.content or None) if calls else result.content, tool_calls=calls or None)
     completion = ChatCompletion(
@@ -27,7 +50,7 @@ def completion_body(result: AgentResult, model: str) -> dict[str, Any]:
         created=int(time.time()),
         model=model,
         system_fingerprint=result.turn.policy_version,
-        choices=[Choice(message=message, finish_reason=result.finish_reason)],
+        choices=[Choice(message=message, finish_reason=result.finish_reason, logprobs=logprobs)],
         usage=Usage(**result.usage),
     )
     return completion.model_dump()
@@ -43,9 +66,11 @@ def sse_chunk(
     model: str,
     delta: dict[str, Any] | None,
     finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> str:
     body: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model}
-    body["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    body["choices"] = [] if delta is None else [choice]
     body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -391,61 +391,9 @@ def _bench_learn(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    import httpx
+    from whet.runtime.console import run_chat
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with httpx.Client(base_url=args.url, headers=headers, timeout=300) as client:
-        try:
-            model = args.model or client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
-        except httpx.HTTPError as exc:
-            print(f"whet: cannot reach a whet server at {args.url} ({exc}); start one with `whet serve`", file=sys.stderr)
-            return 1
-        return _chat_loop(client, model)
-
-
-def _chat_loop(client: Any, model: str) -> int:
-    messages: list[dict[str, Any]] = []
-    session: str | None = None
-    print(f"chatting with {model}; empty line or Ctrl-D to quit, '+' / '-' to rate the last answer")
-    last_turn = None
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            return 0
-        if not line:
-            return 0
-        if line in ("+", "-") and last_turn:
-            client.post("/v1/feedback", json={"turn_id": last_turn, "thumbs": "up" if line == "+" else "down"})
-            print("(feedback recorded)")
-            continue
-        messages.append({"role": "user", "content": line})
-        headers = {"X-Whet-Session": session} if session else {}
-        reply, last_turn, session = _stream_reply(client, model, messages, headers)
-        messages.append({"role": "assistant", "content": reply})
-
-
-def _stream_reply(client: Any, model: str, messages: list[dict[str, Any]], headers: dict[str, str]):
-    body = {"model": model, "messages": messages, "stream": True}
-    parts, turn_id = [], None
-    print("whet> ", end="", flush=True)
-    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-        if response.status_code >= 400:
-            response.read()
-            print(f"[error {response.status_code}: {response.json()['error']['message']}]")
-            return "", None, headers.get("X-Whet-Session")
-        session = response.headers.get("x-whet-session")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            turn_id = chunk.get("id", turn_id)
-            for choice in chunk.get("choices", []):
-                text = choice["delta"].get("content") or ""
-                parts.append(text)
-                print(text, end="", flush=True)
-    print()
-    return "".join(parts), turn_id, session
+    return run_chat(args.url, args.api_key, args.model)
 
 
 if __name__ == "__main__":

@@ -92,14 +92,18 @@ def key_user(keys: Mapping[str, str], authorization: str) -> str | None:
 
 class ApiKeyMiddleware:
     """With API keys configured, every path (docs and schema included) needs a valid key, and the
-    check comes first: a request without one is a 401 before its body is read or validated."""
+    check comes first: a request without one is a 401 before its body is read or validated.
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+    ``public``: paths that hold no data and are served to anyone (the web page's static files,
+    which ask for the key); one ending in ``/`` covers everything under it."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = ()) -> None:
         self.app = app
         self.keys = dict(keys)
+        self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys:
+        if scope["type"] != "http" or not self.keys or self._is_public(scope):
             await self.app(scope, receive, send)
             return
         authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
@@ -110,6 +114,13 @@ class ApiKeyMiddleware:
         headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+    def _is_public(self, scope: Scope) -> bool:
+        if scope.get("method") not in ("GET", "HEAD"):
+            return False
+        path = scope.get("path", "")
+        return any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.public)
 
 
 class BodyLimitMiddleware:

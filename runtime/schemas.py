@@ -6,6 +6,7 @@ them to the `*Public` models here or in `whet.memory.store`.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -112,6 +113,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema carries its schema
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -120,7 +136,14 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, gt=0)
@@ -150,6 +173,23 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("the last message must be from the user (or a tool result for a client-side tool)")
         return self
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this server cannot honour as asked; None when all can be."""
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return "tool_choice", "forcing a tool call is not supported by this server; use 'auto' or 'none'"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", f"'{self.response_format.type}' output is not enforced by this server; use 'text'"
+        if self.top_logprobs:
+            return "top_logprobs", "the engine records only the sampled token's log-prob; use logprobs without top_logprobs"
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                return name, "penalties are not supported by this server; leave it unset or 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server; leave it unset"
+        if self.parallel_tool_calls is False:
+            return "parallel_tool_calls", "the agent runs a step's tool calls together; leave it unset or true"
+        return None
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -169,11 +209,22 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ToolCallWire] | None = None
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -252,3 +303,84 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+
+
+# ----------------------------------------------------------------------------- what the web page reads
+
+
+class SessionSummary(BaseModel):
+    id: str
+    title: str  # the first thing the user said
+    turns: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class ToolStep(BaseModel):
+    name: str
+    arguments: str
+    result: str | None  # None: not run here (a client-side tool) or not answered yet
+    is_error: bool = False
+
+
+class Exchange(BaseModel):
+    """One chat request: what the user said, the tool steps, and the answer."""
+
+    request_id: str
+    user: str | None
+    tools: list[ToolStep]
+    answer: str
+    turn_id: str  # the answering turn: what feedback rates
+    policy_version: str | None
+    created_at: datetime
+    feedback: list[dict[str, Any]]  # {"score", "text"} in the order given
+    verdict: dict[str, Any] | None  # the learner's {"score", "hint", "reason"} once judged
+
+
+class SessionDetail(BaseModel):
+    id: str
+    exchanges: list[Exchange]
+    messages: list[dict[str, Any]]  # the conversation to send back to continue it
+
+
+class AdapterView(BaseModel):
+    id: str
+    scope: str
+    user_id: str | None
+    status: str  # live | candidate | rejected | retired | rolled back
+    parent: str | None
+    created_at: datetime
+    promoted_at: datetime | None
+    gate: dict[str, Any] | None  # accepted, reason and the gate's numbers
+    train: dict[str, Any] | None
+    rolled_back: str | None  # why, when it was
+
+
+class JudgedTurn(BaseModel):
+    turn_id: str
+    session_id: str
+    created_at: datetime
+    score: int
+    hint: str | None
+    reason: str
+    judge: str
+    policy_version: str | None
+    action: str  # what the model did: its text, or its tool calls
+    next_state: str  # what followed, as text
+
+
+class LessonView(BaseModel):
+    id: int
+    text: str
+    kind: str
+    source_turn_id: str | None
+    created_at: datetime
+
+
+class LearningView(BaseModel):
+    scope: str  # learner.scope: global | user
+    learner: dict[str, Any] | None  # the in-process learner's counters; None when it runs elsewhere
+    live: dict[str, str | None]  # scope -> live version (None = base weights)
+    adapters: list[AdapterView]  # oldest first
+    judgments: list[JudgedTurn]  # newest first
+    lessons: list[LessonView]  # oldest first

@@ -35,6 +35,13 @@ class ScriptedCall:
     adapter: str | None
 
 
+class ByteTokenizer:
+    """The scripted "tokenizer": a token id is one UTF-8 byte."""
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
 class ScriptedBackend:
     """Replies from a list (in order) or from ``replies(messages, tools)``.
 
@@ -44,6 +51,7 @@ class ScriptedBackend:
 
     def __init__(self, replies: Sequence[str] | Reply, model_name: str = "scripted") -> None:
         self.model_name = model_name
+        self.tokenizer = ByteTokenizer()
         self.calls: list[ScriptedCall] = []
         self.loaded: set[str] = set()
         self._replies = replies if callable(replies) else list(replies)

@@ -54,7 +54,8 @@ def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, proc, tmp_path / "serve.log")
+        keys = list(config.get("server", {}).get("api_keys", {}))
+        wait_healthy(base, proc, tmp_path / "serve.log", headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
         yield base
     finally:
         proc.terminate()
@@ -65,13 +66,15 @@ def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
         log.close()
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = 120) -> None:
+def wait_healthy(
+    base: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = 120, headers: dict | None = None
+) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"whet serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
