@@ -311,7 +311,7 @@ def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
         raise ApiError(400, f"{field}: {why}", code="unsupported_value", param=field)
 
 
-WEB_PAGE = ("/", "/web/")  # the page's static files: no data, served without a key (the page asks for one)
+WEB_PAGE = ("/", "/web/*")  # the page's static files: no data, served without a key (the page asks for one)
 
 
 def _install_web_routes(app: FastAPI) -> None:

@@ -95,7 +95,7 @@ class ApiKeyMiddleware:
     check comes first: a request without one is a 401 before its body is read or validated.
 
     ``public``: paths that hold no data and are served to anyone (the web page's static files,
-    which ask for the key); one ending in ``/`` covers everything under it."""
+    which ask for the key); one ending in ``*`` covers every path that starts with it."""
 
     def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = ()) -> None:
         self.app = app
@@ -120,7 +120,7 @@ class ApiKeyMiddleware:
         if scope.get("method") not in ("GET", "HEAD"):
             return False
         path = scope.get("path", "")
-        return any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.public)
+        return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.public)
 
 
 class BodyLimitMiddleware:

@@ -182,7 +182,7 @@ async def test_a_field_that_cannot_be_honoured_is_refused_by_name(tmp_path, body
 
 async def test_a_404_never_echoes_a_huge_id_in_full(tmp_path):
     huge = "t" * 900_000
-    async with serve(tmp_path, ScriptedBackend(["ok"]), server={"max_body_bytes": 2_000_000}) as (client, _):
+    async with serve(tmp_path, ScriptedBackend(["ok"]), server={"max_body_bytes": 2_000_000, "strict_model_names": True}) as (client, _):
         missing = await client.post("/v1/feedback", json={"turn_id": huge, "score": 1})
         unknown_model = await client.post("/v1/chat/completions", json=chat_body("hi") | {"model": huge})
     for response in (missing, unknown_model):
