@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quiet_peft
+from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quiet_peft, stop_token_ids
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.engine import BatchEngine, Sequence
@@ -130,12 +130,12 @@ class TransformersBackend:
         self.model_name = model_name or model_id_or_path
         self.device = pick_device(device)
         try:
-            self.tokenizer, self.model = load_causal_lm(model_id_or_path, self.device, serving_dtype(dtype, self.device))
+            self.tokenizer, self.model = load_causal_lm(model_id_or_path, self.device, dtype)
         except ModelLoadError as exc:
             raise BackendError(str(exc)) from exc
         positions = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
         self.context_tokens = min(max_context_tokens, positions)
-        self.stop_token_ids = _stop_token_ids(self.tokenizer, self.model)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
         # only the last position's logits are needed; older model classes lack the argument
         keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if keeps else {}
@@ -416,24 +416,6 @@ class TransformersBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def serving_dtype(dtype: str, device: torch.device) -> str:
-    """``auto`` as measured: bfloat16 on CUDA; float32 on CPU, where bfloat16 prefilled faster but
-    decoded 2-5x slower on the tiny model (an AVX2 CPU without bf16 instructions; README, Speed)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i != -1]
     return min(hits) if hits else None
-
-
-def _stop_token_ids(tokenizer: Any, model: Any) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return {i for i in ids if isinstance(i, int)}

@@ -193,7 +193,7 @@ def test_log_probs_are_float32_even_when_the_model_computes_in_bfloat16():
 
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu_and_a_name_is_kept():
-    from whet.runtime.hf import serving_dtype
+    from whet.learner.model import serving_dtype
 
     assert serving_dtype("auto", torch.device("cuda")) == "bfloat16"
     assert serving_dtype("auto", torch.device("cpu")) == "float32"
