@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from whet.runtime.middleware import HttpMiddleware
 from whet.runtime.policy import Generation
 
 LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -75,16 +76,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class RequestTimer:
+class RequestTimer(HttpMiddleware):
     """Pure ASGI middleware: every HTTP request's latency, labelled by its route template."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started, status = time.perf_counter(), 500
 
         async def send_status(message: Message) -> None:

@@ -12,8 +12,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class RequestContextMiddleware:
-    """Binds a request id (and echoes it as X-Request-Id) for every log line of the request."""
+class HttpMiddleware:
+    """Pure ASGI middleware over HTTP requests (:meth:`http`); anything else passes through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -22,6 +22,16 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestContextMiddleware(HttpMiddleware):
+    """Binds a request id (and echoes it as X-Request-Id) for every log line of the request."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = uuid.uuid4().hex[:16]
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id, path=scope["path"])
@@ -39,7 +49,7 @@ def error_body(message: str, code: str | None, kind: str = "invalid_request_erro
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
-class UnexpectedErrorMiddleware:
+class UnexpectedErrorMiddleware(HttpMiddleware):
     """Answers an exception no handler took with a 500 and *keeps the connection usable*.
 
     Starlette's own catch-all (``exception_handler(Exception)``) re-raises after it sends the
@@ -49,13 +59,7 @@ class UnexpectedErrorMiddleware:
     server closes the connection, the only honest signal left.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def watched(message: Message) -> None:
@@ -90,7 +94,7 @@ def key_user(keys: Mapping[str, str], authorization: str) -> str | None:
     return found
 
 
-class ApiKeyMiddleware:
+class ApiKeyMiddleware(HttpMiddleware):
     """With API keys configured, every path (docs and schema included) needs a valid key, and the
     check comes first: a request without one is a 401 before its body is read or validated.
 
@@ -98,12 +102,12 @@ class ApiKeyMiddleware:
     which ask for the key); one ending in ``*`` covers every path that starts with it."""
 
     def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = ()) -> None:
-        self.app = app
+        super().__init__(app)
         self.keys = dict(keys)
         self.public = public
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or self._is_public(scope):
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.keys or self._is_public(scope):
             await self.app(scope, receive, send)
             return
         authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
@@ -123,17 +127,14 @@ class ApiKeyMiddleware:
         return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.public)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     """Refuses bodies over ``max_bytes`` with 413, by header or by counting what arrives."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(send)

@@ -120,15 +120,22 @@ def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_
     assert trained == {str(fast.model.config.num_hidden_layers - 1)}  # only the top layer has an adapter
 
 
-def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_model, tmp_path):
-    # a policy that answers "Paris" but, told the user meant Lisbon, answers "Lisbon"
-    question, hint = "What time is it at home?", "The user meant Lisbon time"
-    plain = [SYSTEM, {"role": "user", "content": question}]
-    hinted = [SYSTEM, {"role": "user", "content": question + f"\n\n[hint] {hint}"}]
-    taught = memorize(tiny_model, tmp_path / "taught", [
+HOME, HOME_HINT = "What time is it at home?", "The user meant Lisbon time"
+
+
+def hint_following_policy(tiny_model: Path, folder: Path) -> Path:
+    """A policy that answers "Paris" but, told the user meant Lisbon, answers "Lisbon"."""
+    plain = [SYSTEM, {"role": "user", "content": HOME}]
+    hinted = [SYSTEM, {"role": "user", "content": HOME + f"\n\n[hint] {HOME_HINT}"}]
+    return memorize(tiny_model, folder, [
         (plain, [], {"role": "assistant", "content": "In Paris it is 10:00."}),
         (hinted, [], {"role": "assistant", "content": "In Lisbon it is 09:00."}),
     ], steps=200)  # fmt: skip
+
+
+def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_model, tmp_path):
+    question, hint = HOME, HOME_HINT
+    taught = hint_following_policy(tiny_model, tmp_path / "taught")
     trainer = new_trainer(taught, kind="opd")
     messages, prompt, response = encode_turn(trainer, question, "In Lisbon it is 09:00.")
     teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, hint)
@@ -149,14 +156,8 @@ def test_opd_pushes_up_the_action_a_hint_makes_more_likely_for_the_teacher(tiny_
 
 
 def test_hindsight_action_teaches_the_unhinted_policy_the_action_the_hinted_one_writes(tiny_model, tmp_path):
-    # a policy that answers "Paris" but, told the user meant Lisbon, answers "Lisbon"
-    question, hint = "What time is it at home?", "The user meant Lisbon time"
-    plain = [SYSTEM, {"role": "user", "content": question}]
-    hinted = [SYSTEM, {"role": "user", "content": question + f"\n\n[hint] {hint}"}]
-    taught = memorize(tiny_model, tmp_path / "taught", [
-        (plain, [], {"role": "assistant", "content": "In Paris it is 10:00."}),
-        (hinted, [], {"role": "assistant", "content": "In Lisbon it is 09:00."}),
-    ], steps=200)  # fmt: skip
+    question, hint = HOME, HOME_HINT
+    taught = hint_following_policy(tiny_model, tmp_path / "taught")
     objective = build_objective("opd", hindsight="action")
     trainer = LoraTrainer.load(str(taught), LORA, objective, device="cpu")
     messages, prompt, wrong = encode_turn(trainer, question, "In Paris it is 10:00.")
