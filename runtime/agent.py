@@ -127,11 +127,12 @@ class Agent:
         shown: list[str] = []  # every text delta the client saw: the reply is all of it, across steps
         for step in range(self.config.max_steps):
             generation = None
+            earlier = len(shown)  # deltas of the steps before this one
             async for item in self._generate(messages, tools, request):
                 if isinstance(item, Generation):
                     generation = item
                     continue
-                if shown and not shown[-1][-1:].isspace() and not item[:1].isspace():
+                if len(shown) == earlier and shown and not shown[-1][-1:].isspace() and not item[:1].isspace():
                     item = "\n\n" + item  # a new step's text starts a new paragraph
                 shown.append(item)
                 yield Delta(item)

@@ -49,6 +49,27 @@ async def test_the_plain_reply_carries_the_text_written_before_a_tool_call_too(t
     assert reply.choices[0].message.content == "Let me compute that.\n\nIt is 391."
 
 
+class SubwordBackend(ScriptedBackend):
+    """Streams a character at a time, as a real engine streams sub-word tokens ("1", "7", " times")."""
+
+    async def stream(self, messages, tools, params, adapter=None):
+        async for item in super().stream(messages, tools, params, adapter):
+            if isinstance(item, str):
+                for char in item:
+                    yield char
+            else:
+                yield item
+
+
+async def test_sub_word_deltas_of_one_step_join_as_written_and_only_a_new_step_starts_a_paragraph(tmp_path):
+    backend = SubwordBackend(["Let me compute that." + CALC_CALL, "17 times 23 is 391."])
+    async with serve(tmp_path, backend) as (http, _):
+        reply = await openai_client(http).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "17*23?"}]
+        )
+    assert reply.choices[0].message.content == "Let me compute that.\n\n17 times 23 is 391."
+
+
 async def test_a_step_calling_a_client_tool_and_an_mcp_tool_runs_the_mcp_call_and_returns_the_other(tmp_path):
     both = CALC_CALL + '<tool_call>{"name": "get_weather", "arguments": {"city": "Porto"}}</tool_call>'
     backend = ScriptedBackend([both, "391, and sunny in Porto."])
