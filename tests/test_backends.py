@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from batchgate import decoded_together
+from perturbed import perturbed_adapter
 
 from whet.runtime.backends import create_backend
 from whet.runtime.policy import BackendError, Generation, PolicyBackend, SamplingParams
@@ -103,21 +104,7 @@ def model_dir(data_dir) -> Path:
 @pytest.fixture(scope="module")
 def adapter_dir(model_dir, tmp_path_factory) -> Path:
     """A LoRA adapter on the tiny model whose B weights are perturbed, so it changes the outputs."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    out = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(out)
-    return out
+    return perturbed_adapter(model_dir, tmp_path_factory.mktemp("adapter"), seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from batchgate import decoded_together
+from perturbed import perturbed_adapter
 
 from whet.runtime.policy import Generation, SamplingParams
 
@@ -30,23 +31,6 @@ def model_dir(tmp_path_factory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("data") / "models" / "tiny")
 
 
-def _adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)  # so the adapter changes the outputs
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def backend(model_dir, tmp_path_factory):
     from whet.runtime.hf import TransformersBackend
@@ -54,8 +38,8 @@ def backend(model_dir, tmp_path_factory):
     engine = TransformersBackend(str(model_dir), device="cpu", workers=4)
 
     async def load() -> None:
-        await engine.load_adapter("a1", str(_adapter(model_dir, tmp_path_factory.mktemp("a1"), 1)))
-        await engine.load_adapter("a2", str(_adapter(model_dir, tmp_path_factory.mktemp("a2"), 2)))
+        await engine.load_adapter("a1", str(perturbed_adapter(model_dir, tmp_path_factory.mktemp("a1"), 1)))
+        await engine.load_adapter("a2", str(perturbed_adapter(model_dir, tmp_path_factory.mktemp("a2"), 2)))
 
     asyncio.run(load())
     yield engine
