@@ -12,14 +12,16 @@ def perturbed_adapter(model_dir: Path, out: Path, seed: int) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)  # LoRA starts as the identity (B = 0): move it off
-    model.save_pretrained(out)
+    # peft draws lora_A from the global RNG: seed it, without moving it for the tests after this one
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(model_dir),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        )
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.5)  # LoRA starts as the identity (B = 0): move it off
+    model.save_pretrained(out)  # adapter "default": saved at the folder's top level
     return out

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-import torch
+from perturbed import perturbed_adapter
 from test_api import make_config
 
 from whet.memory.bus import ADAPTER_PUBLISHED, LESSON_ADDED
@@ -47,25 +47,10 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
     """One LoRA folder per version, each with its own random B weights, so each changes outputs its own way."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("adapters")
     dirs = {}
     for seed, version in enumerate(VERSIONS, start=1):
-        # peft draws lora_A from the global RNG: seed it, without moving it for the tests after this one
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = get_peft_model(
-                AutoModelForCausalLM.from_pretrained(tiny_model),
-                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
-            )
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "lora_B" in name:
-                        param.normal_(0.0, 0.5)
-        model.save_pretrained(root / version)  # adapter "default": saved at the folder's top level
-        dirs[version] = root / version
+        dirs[version] = perturbed_adapter(tiny_model, root / version, seed)
     return dirs
 
 
