@@ -40,15 +40,6 @@ async def test_text_before_a_tool_call_is_streamed_stored_and_continued_in_one_s
         assert closed.next_state_kind == "user_message"
 
 
-async def test_the_plain_reply_carries_the_text_written_before_a_tool_call_too(tmp_path):
-    backend = ScriptedBackend(["Let me compute that." + CALC_CALL, "It is 391."])
-    async with serve(tmp_path, backend) as (http, _):
-        reply = await openai_client(http).chat.completions.create(
-            model="scripted", messages=[{"role": "user", "content": "17*23?"}]
-        )
-    assert reply.choices[0].message.content == "Let me compute that.\n\nIt is 391."
-
-
 class SubwordBackend(ScriptedBackend):
     """Streams a character at a time, as a real engine streams sub-word tokens ("1", "7", " times")."""
 
@@ -61,8 +52,10 @@ class SubwordBackend(ScriptedBackend):
                 yield item
 
 
-async def test_sub_word_deltas_of_one_step_join_as_written_and_only_a_new_step_starts_a_paragraph(tmp_path):
-    backend = SubwordBackend(["Let me compute that." + CALC_CALL, "17 times 23 is 391."])
+# word-sized deltas, and sub-word ones: a step's deltas join as written, only a new step starts a paragraph
+@pytest.mark.parametrize("backend_class", [ScriptedBackend, SubwordBackend])
+async def test_the_plain_reply_carries_the_text_written_before_a_tool_call_too(tmp_path, backend_class):
+    backend = backend_class(["Let me compute that." + CALC_CALL, "17 times 23 is 391."])
     async with serve(tmp_path, backend) as (http, _):
         reply = await openai_client(http).chat.completions.create(
             model="scripted", messages=[{"role": "user", "content": "17*23?"}]
