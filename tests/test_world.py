@@ -170,7 +170,11 @@ def test_training_conversations_use_the_servers_real_output_and_the_learners_les
 
     batch = list(examples(200, seed=0, chats=[("Tell me a joke.", "Why did the chicken cross the road?")]))
     kinds = {e.kind for e in batch}
-    assert kinds == {"general", "guess", "lesson", "hint", "correction", "thanks", "chat"}
+    assert kinds == {"general", "guess", "lesson", "hint", "correction", "thanks", "error", "chat"}
+    failed = next(e for e in batch if e.kind == "error")  # a call the tool refused, then a plain answer
+    assert failed.messages[-2]["role"] == "tool" and failed.messages[-2]["content"].startswith("error:")
+    assert failed.messages[-1]["content"].startswith("Sorry, that did not work")
+    assert "<tool" not in failed.messages[-1]["content"]
     chat = next(e for e in batch if e.kind == "chat")
     assert chat.messages[-1] == {"role": "assistant", "content": "Why did the chicken cross the road?"}
     assert "chat" not in {e.kind for e in examples(40, seed=0)}  # no chats given, none drawn
@@ -178,7 +182,7 @@ def test_training_conversations_use_the_servers_real_output_and_the_learners_les
     assert LESSONS_HEADER.strip() in lesson.messages[0]["content"]
     hint = next(e for e in batch if e.kind == "hint")
     assert "\n\n[hint] The user meant" in hint.messages[1]["content"]
-    tool = next(m for e in batch for m in e.messages if m["role"] == "tool")
+    tool = next(m for e in batch if e.kind == "general" for m in e.messages if m["role"] == "tool")
     assert json.loads(tool["content"])  # the server's structured output, as the pool renders it
     assert [e.messages for e in examples(5, seed=1)] == [e.messages for e in examples(5, seed=1)]
 

@@ -141,7 +141,10 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
     "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
     "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
 }
-KINDS = {"general": 0.4, "guess": 0.05, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.03, "chat": 0.15}
+KINDS = {"general": 0.37, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.03,
+         "error": 0.03, "chat": 0.13}
+# what a request's value turns into when the model writes it wrong: the tool refuses it
+BAD_VALUES = ("home", "my place", "here", "local", "the usual", "there", "my list", "?")
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
 
 
@@ -270,6 +273,17 @@ class ExampleMaker:
                 out.append(self._lesson(other))
         return out
 
+    def _broken(self, call: ToolUse) -> ToolUse:
+        """``call`` with one text argument written wrong, so that its tool refuses it."""
+        keys = [k for k, v in call.arguments.items() if isinstance(v, str)]
+        for _ in range(20):
+            key = self.rng.choice(keys)
+            broken = ToolUse(call.name, {**call.arguments, key: self.rng.choice(BAD_VALUES)})
+            self.tools.instant = datetime(2026, 1, 1, tzinfo=UTC)
+            if self.tools.call(broken).startswith("error:"):
+                return broken
+        return ToolUse(call.name, {})  # no arguments at all: every bundled tool refuses that
+
     def example(self) -> Example:
         kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
         if kind == "chat":
@@ -279,7 +293,8 @@ class ExampleMaker:
                         {"role": "user", "content": request}, {"role": "assistant", "content": answer}]
             return Example(kind, messages, self.tools.specs)
         profile = random_profile(self.rng, self.vocab)
-        personal = kind in ("guess", "lesson", "hint", "correction") or (kind == "thanks" and self.rng.random() < 0.5)
+        personal = kind in ("guess", "lesson", "hint", "correction") or (
+            kind in ("thanks", "error") and self.rng.random() < 0.5)
         intent = self.rng.choice(PERSONAL if personal else GENERAL)
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
@@ -309,6 +324,11 @@ class ExampleMaker:
             messages.append({"role": "assistant", "content": self._solve(task)[-1]["content"]})
             messages.append({"role": "user", "content": self.rng.choice(("Thanks!", "Great, thanks.", "Thank you!"))})
             messages.append({"role": "assistant", "content": self.rng.choice(THANKS_REPLIES)})
+            return Example(kind, messages, self.tools.specs)
+        elif kind == "error":
+            # the call went wrong and the tool said so: the answer says it plainly, never echoes
+            # the tool's markup, and makes up no value
+            messages += self._solve(task, self._broken(task.call))
             return Example(kind, messages, self.tools.specs)
         messages += self._solve(task)
         return Example(kind, messages, self.tools.specs)
