@@ -206,6 +206,9 @@ class ObjectiveConfig(Section):
     # rl: evaluative scores only; opd: hindsight distillation from hints only; combined: both
     kind: Literal["combined", "rl", "opd"] = "combined"
     rl_weight: float = Field(1.0, ge=0.0)
+    # scale on RL's negative advantages: a -1 names no token, and pushed down whole a wrong call
+    # loses its format with its value (0: learn from successes only; hints still teach)
+    rl_negative_weight: float = Field(1.0, ge=0.0, le=1.0)
     opd_weight: float = Field(1.0, ge=0.0)
     kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model
     clip_low: float = Field(0.2, gt=0.0, lt=1.0)

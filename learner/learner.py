@@ -57,7 +57,7 @@ from whet.learner.judge import (
 )
 from whet.learner.lessons import lesson_for
 from whet.learner.model import resolve_source
-from whet.learner.objective import RunningBaseline, build_objective
+from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import LoraTrainer, Sample
@@ -495,9 +495,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
     if config.model.backend == "openai":
         log.info("the openai backend cannot change weights: the learner keeps lessons only")
     else:
-        o = learner.objective
-        objective = build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
-                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight, hindsight=o.hindsight)  # fmt: skip
+        objective = objective_from_config(learner.objective)
 
         def trainer() -> LoraTrainer:
             source = resolve_source(config.model.id, config.data_path)

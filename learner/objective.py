@@ -142,13 +142,21 @@ class BinaryRL:
 
     Score-0 samples are masked out, not given ``A = 0``: with a baseline their advantage would
     be ``-baseline``, which would punish (or reward) an action the judge could not evaluate.
+
+    ``negative_weight`` scales the advantages below zero. A -1 says the action was wrong but
+    not which of its tokens: pushed down whole, a wrong tool call loses its format with its
+    value (the call markup, the tool's name), and a hint, where there is one, already teaches the
+    right action token by token. 1.0 is the plain policy gradient; 0.0 learns from successes only.
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.28
+    negative_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check_clip(self.clip_low, self.clip_high)
+        if not 0.0 <= self.negative_weight <= 1.0:
+            raise ValueError(f"negative_weight must be in [0, 1], got {self.negative_weight}")
 
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         scored = batch.scores != 0  # [B]
@@ -156,6 +164,7 @@ class BinaryRL:
             return _zero_loss(batch.logp), {"loss": 0.0, "rl_loss": 0.0, **_EMPTY_STATS}
         mask = batch.mask * scored.to(batch.mask.dtype)[:, None]  # [B, T]
         advantages = (batch.scores.to(batch.logp.dtype) - batch.baseline)[:, None]  # [B, 1]
+        advantages = torch.where(advantages < 0, advantages * self.negative_weight, advantages)  # [B, 1]
         return _policy_gradient("rl_loss", batch, advantages, mask, self.clip_low, self.clip_high)
 
 
@@ -312,12 +321,14 @@ def build_objective(
     opd_weight: float = 1.0,
     kl_weight: float = 0.0,
     hindsight: str = "token",
+    rl_negative_weight: float = 1.0,
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
 
     ``hindsight``: how hints teach: ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage),
     ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution) or
     ``action`` (:class:`HindsightAction`, the hinted teacher's own action).
+    ``rl_negative_weight``: :class:`BinaryRL`'s scale on negative advantages.
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused
@@ -329,10 +340,17 @@ def build_objective(
         raise ValueError(f"kl_weight applies to objective 'combined' only, not {kind!r}")
     if hindsight not in _HINDSIGHT:
         raise ValueError(f"unknown hindsight form {hindsight!r}; valid: {', '.join(sorted(_HINDSIGHT))}")
-    rl = BinaryRL(clip_low=clip_low, clip_high=clip_high)
+    rl = BinaryRL(clip_low=clip_low, clip_high=clip_high, negative_weight=rl_negative_weight)
     opd = _HINDSIGHT[hindsight](clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip)
     weights = {"rl_weight": rl_weight, "opd_weight": opd_weight, "kl_weight": kl_weight}
     return _BUILDERS[kind](rl, opd, **weights)
+
+
+def objective_from_config(o: Any) -> Objective:
+    """The objective a ``learner.objective`` config section names (``ObjectiveConfig``)."""
+    return build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
+                           rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight,
+                           hindsight=o.hindsight, rl_negative_weight=o.rl_negative_weight)  # fmt: skip
 
 
 @dataclass

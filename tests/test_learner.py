@@ -12,7 +12,7 @@ import torch
 from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner.judge import RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
-from whet.learner.objective import build_objective
+from whet.learner.objective import build_objective, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids, prompt_text
 from whet.learner.registry import AdapterRegistry
 from whet.learner.tiny import build_tiny_model
@@ -196,9 +196,7 @@ def learner_config(**overrides) -> LearnerConfig:
 
 def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Path, root: Path, **kw) -> Learner:
     def trainer() -> LoraTrainer:
-        o = config.objective
-        objective = build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
-                                    rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight)  # fmt: skip
+        objective = objective_from_config(config.objective)
         return LoraTrainer.load(str(model), config.lora, objective, device="cpu")
 
     return Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, root), trainer=trainer, **kw)

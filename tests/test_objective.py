@@ -288,3 +288,29 @@ def test_running_baseline_round_trips_through_a_dict():
     restored = RunningBaseline.from_dict(baseline.to_dict())
     assert restored == baseline
     assert restored.update([1]) == baseline.update([1])
+
+
+def test_binary_rl_negative_weight_scales_only_the_negative_advantages():
+    def grads(weight: float) -> torch.Tensor:
+        logp = leaf([[-1.0, -2.0], [-0.5, -0.7]])
+        batch = TokenBatch(logp=logp, old_logp=logp.detach().clone(), mask=torch.ones(2, 2),
+                           scores=torch.tensor([1, -1]), baseline=0.0)  # fmt: skip
+        BinaryRL(negative_weight=weight).loss(batch)[0].backward()
+        return logp.grad
+
+    plain, half, none = grads(1.0), grads(0.5), grads(0.0)
+    torch.testing.assert_close(half[0], plain[0])  # the success is learned as before
+    torch.testing.assert_close(none[0], plain[0])
+    torch.testing.assert_close(half[1], plain[1] * 0.5)  # the failure pushes half as hard
+    assert (plain[1] > 0).all() and (none[1] == 0).all()  # or not at all
+    with pytest.raises(ValueError, match="negative_weight"):
+        BinaryRL(negative_weight=1.5)
+
+
+def test_the_objective_follows_its_config_section():
+    from whet.config.settings import ObjectiveConfig
+    from whet.learner.objective import Combined, HindsightAction, objective_from_config
+
+    built = objective_from_config(ObjectiveConfig(hindsight="action", rl_negative_weight=0.25, rl_weight=0.5))
+    assert isinstance(built, Combined) and isinstance(built.opd, HindsightAction)
+    assert built.rl.negative_weight == 0.25 and built.rl_weight == 0.5
