@@ -155,6 +155,9 @@ class AgentConfig(Section):
     )
     max_steps: int = Field(6, ge=1, le=64)
     lessons_k: int = Field(4, ge=0)
+    # a lesson less similar than this (cosine) to the request stays out of the prompt: small talk
+    # gets no lessons about the time at home to misread
+    lessons_min_score: float = Field(0.3, ge=-1.0, le=1.0)
     lesson_token_budget: int = Field(256, ge=0)
     # above this many tools, only the tools_k most relevant to the request are shown
     tools_k: int = Field(16, ge=1)

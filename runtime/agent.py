@@ -204,6 +204,8 @@ class Agent:
         hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
         chosen, budget = [], self.config.lesson_token_budget
         for hit in hits:
+            if hit.score < self.config.lessons_min_score:
+                break  # best first: the rest are further still
             cost = _approx_tokens(hit.text)
             if cost > budget:
                 break

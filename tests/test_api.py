@@ -12,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from whet.config.settings import load_config
+from whet.config.settings import AgentConfig, load_config
 from whet.memory.index import HashingEmbedder
 from whet.runtime.app import create_app
 from whet.runtime.scripted import ScriptedBackend
@@ -218,15 +218,19 @@ async def test_models_tools_health_and_metrics_describe_the_service(tmp_path):
 
 
 async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path):
-    backend = ScriptedBackend(["noted", "noted"])
+    backend = ScriptedBackend(["noted", "noted", "a joke"])
     async with serve(tmp_path, backend) as (client, res):
         lesson = await res.store.add_lesson("alice", "When alice says home she means Lisbon time.")
         res.index.add(lesson.id, "alice", lesson.text)
         await client.post("/v1/chat/completions", json=chat_body("what time is it at home?", user="alice"))
         await client.post("/v1/chat/completions", json=chat_body("what time is it at home?", user="bob"))
+        await client.post("/v1/chat/completions", json=chat_body("Tell me a joke about penguins.", user="alice"))
+        unrelated = res.index.search("alice", "Tell me a joke about penguins.", 1)[0].score
     alice_system = backend.calls[0].messages[0]["content"]
     bob_system = backend.calls[1].messages[0]["content"]
     assert "Lisbon time" in alice_system and "Lisbon time" not in bob_system
+    # a lesson that does not read like the request stays out (agent.lessons_min_score)
+    assert unrelated < AgentConfig().lessons_min_score and "Lisbon time" not in backend.calls[2].messages[0]["content"]
 
 
 @pytest.fixture(scope="module")
