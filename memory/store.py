@@ -343,6 +343,10 @@ class Store:
             query = query.where(Lesson.user_id == user_id)
         return await self._run(lambda db: list(db.exec(query).all()))
 
+    async def lesson_ids(self) -> set[int]:
+        """The ids of every stored lesson (what a replica's index may hold)."""
+        return await self._run(lambda db: set(db.exec(select(Lesson.id)).all()))
+
     async def delete_lesson(self, lesson_id: int) -> bool:
         """Delete one lesson row; True if it existed. The index entry is the caller's to remove."""
         statement = sa_delete(Lesson).where(Lesson.id == lesson_id)
