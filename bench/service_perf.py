@@ -25,10 +25,11 @@ import httpx
 import numpy as np
 
 from whet.config.settings import LoraConfig, load_config
+from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import open_bus
 from whet.memory.index import HashingEmbedder, LessonIndex
 from whet.memory.store import open_store
-from whet.memory.tables import TurnCreate
+from whet.memory.tables import Adapter, TurnCreate
 from whet.runtime.app import create_app
 from whet.runtime.policy import PolicyBackend, SamplingParams
 from whet.runtime.scripted import ScriptedBackend
@@ -121,7 +122,7 @@ async def _closed_loop(client: httpx.AsyncClient, sizes: Sizes) -> tuple[list[fl
 
 async def p1_swaps_under_load(work: Path, backend: PolicyBackend, model: Path, adapter: Path,
                               sizes: Sizes) -> dict[str, float]:  # fmt: skip
-    """Closed-loop chats without swaps, then with a new adapter version live every ``swap_every_s``."""
+    """Closed-loop chats without swaps, then with a new adapter version published every ``swap_every_s``."""
     async with whet_app(work / "p1", backend, model) as (client, res):
         await _closed_loop(
             client, Sizes(load_s=min(1.0, sizes.load_s), concurrency=sizes.concurrency)
@@ -129,12 +130,17 @@ async def p1_swaps_under_load(work: Path, backend: PolicyBackend, model: Path, a
         steady, steady_failed = await _closed_loop(client, sizes)
         swaps = 0
 
-        async def swap_forever() -> None:
+        registry = AdapterRegistry(res.store, res.bus, work / "p1" / "adapters")
+
+        async def swap_forever() -> None:  # as the learner publishes: store first, then the bus event
             nonlocal swaps
             while True:
                 await asyncio.sleep(sizes.swap_every_s)
+                version = f"global-{swaps + 1:04d}"
+                parent = f"global-{swaps:04d}" if swaps else None
+                await res.store.add_adapter(Adapter(id=version, path=str(adapter), parent=parent))
+                await registry.promote(version)
                 swaps += 1
-                await res.adapters.activate(f"global-{swaps:04d}", str(adapter))
 
         swapper = asyncio.create_task(swap_forever())
         try:
@@ -143,7 +149,12 @@ async def p1_swaps_under_load(work: Path, backend: PolicyBackend, model: Path, a
             swapper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await swapper
-            await res.adapters.settle()
+        stored = await res.store.live_adapter("global")  # the store is the truth; the replica must follow it
+        last = stored.id if stored else None
+        await asyncio.wait_for(
+            res.follower.wait_until(lambda: res.adapters.live_version() == last), timeout=60
+        )
+        await res.adapters.settle()
     return {
         "p1_failed_requests": failed + steady_failed,
         "p1_p99_ratio": percentile(swapping, 99) / percentile(steady, 99),
@@ -218,7 +229,9 @@ def lesson_texts(n: int, seed: int = 0) -> list[str]:
 async def p4_loop_overhead(work: Path, model: Path, sizes: Sizes) -> dict[str, float]:
     """The whole request (HTTP, agent, store, lesson retrieval over ``overhead_lessons``) minus the backend call."""
     backend = ScriptedBackend(lambda messages, tools: "ok")
-    async with whet_app(work / "p4", backend, model) as (client, res):
+    # the lessons go into the index alone (a store of 100k lessons takes as many commits to fill), so the
+    # follower's store poll, which drops indexed lessons the store does not have, is kept from running
+    async with whet_app(work / "p4", backend, model, learner={"poll_s": 86400}) as (client, res):
         texts = lesson_texts(sizes.overhead_lessons)
         await asyncio.to_thread(res.index.add_many, [(i + 1, USER, t) for i, t in enumerate(texts)])
         messages = [{"role": "user", "content": "What time is it at home?"}]
