@@ -151,6 +151,8 @@ class Follower:
         # the index is read first: whatever it held then was committed before the store is read,
         # so a lesson missing from the store now was deleted (one indexed meanwhile is not looked at)
         indexed = await anyio.to_thread.run_sync(self.index.ids)
+        if not indexed or await self.store.count_lessons(up_to=max(indexed)) == len(indexed):
+            return  # the usual case, found without reading every id: the store has as many as the index
         gone = indexed - await self.store.lesson_ids()
         if gone:
             await anyio.to_thread.run_sync(self.index.remove_many, gone)
