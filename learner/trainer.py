@@ -241,7 +241,10 @@ class LoraTrainer:
 
 def training_threads(configured: int | None) -> int:
     """How many CPU threads a training step uses: ``configured``, else half the usable cores (at least 1)."""
-    return configured if configured is not None else max(1, len(os.sched_getaffinity(0)) // 2)
+    if configured is not None:
+        return configured
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // 2)
 
 
 @contextmanager
