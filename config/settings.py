@@ -268,6 +268,9 @@ class LearnerConfig(Section):
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)
     device: str = "auto"  # where training runs: auto | cpu | cuda | cuda:1
+    # CPU threads a training step may use (torch intra-op, in the training thread only), so serving
+    # keeps the rest; null = half the cores this process may run on (at least 1)
+    threads: int | None = Field(None, ge=1)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -343,6 +343,15 @@ class Store:
             query = query.where(Lesson.user_id == user_id)
         return await self._run(lambda db: list(db.exec(query).all()))
 
+    async def lesson_ids(self) -> set[int]:
+        """The ids of every stored lesson (what a replica's index may hold)."""
+        return await self._run(lambda db: set(db.exec(select(Lesson.id)).all()))
+
+    async def count_lessons(self, *, up_to: int) -> int:
+        """How many stored lessons have an id of at most ``up_to``."""
+        query = select(func.count()).select_from(Lesson).where(Lesson.id <= up_to)
+        return await self._run(lambda db: db.exec(query).one())
+
     async def delete_lesson(self, lesson_id: int) -> bool:
         """Delete one lesson row; True if it existed. The index entry is the caller's to remove."""
         statement = sa_delete(Lesson).where(Lesson.id == lesson_id)

@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
+from whet.memory.bus import LESSON_DELETED
 from whet.memory.tables import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
 from whet.runtime.chat import (
@@ -354,6 +355,7 @@ def _install_web_routes(app: FastAPI) -> None:
             raise ApiError(404, f"lesson {lesson_id} not found", code="lesson_not_found", param="lesson_id")
         await res.store.delete_lesson(lesson_id)
         res.index.remove(lesson_id)  # retrieval stops offering it with the very next request
+        await res.bus.publish(LESSON_DELETED, {"lesson_id": lesson_id})  # ...on every other replica too
         return Response(status_code=204)
 
 

@@ -132,6 +132,40 @@ async def test_a_replica_drops_a_forgotten_users_lessons_when_the_event_arrives(
             await res.follower.wait_until(lambda: not res.index.search("carol", "Lisbon", 3))
 
 
+async def test_a_lesson_deleted_through_one_replica_leaves_every_replicas_index(tmp_path):
+    import anyio
+
+    from whet.memory.bus import LESSON_DELETED
+
+    async with serve(tmp_path, ScriptedBackend(["hi"]), learner={"enabled": False}) as (client, res):
+        lessons = []
+        for text in ("dana lives in Oslo", "dana walks to Oslo harbour", "dana flies from Oslo"):
+            lesson = await res.store.add_lesson("dana", text)
+            res.index.add(lesson.id, "dana", lesson.text)
+            lessons.append(lesson.id)
+
+        def offered() -> set[int]:
+            return {hit.lesson_id for hit in res.index.search("dana", "Oslo", 5)}
+
+        # deleted here: gone at once, and announced for the other replicas
+        async with res.bus.subscribe(LESSON_DELETED) as events:
+            response = await client.delete(f"/v1/lessons/{lessons[0]}", params={"user": "dana"})
+            assert response.status_code == 204
+            with anyio.fail_after(10):
+                event = await anext(aiter(events))
+        assert event.data == {"lesson_id": lessons[0]} and lessons[0] not in offered()
+        # deleted through another replica: the event takes it out of this one's index
+        await res.store.delete_lesson(lessons[1])
+        await res.bus.publish(LESSON_DELETED, {"lesson_id": lessons[1]})
+        with anyio.fail_after(10):
+            await res.follower.wait_until(lambda: lessons[1] not in offered())
+        # the event was missed (a replica away from the bus): the store poll takes it out
+        await res.store.delete_lesson(lessons[2])
+        assert lessons[2] in offered()
+        await res.follower.catch_up()
+        assert offered() == set()
+
+
 async def test_user_b_cannot_reach_user_a_through_turns_sessions_lessons_or_adapters(tmp_path):
     backend = ScriptedBackend(lambda messages, tools: "ok")
     config = {"server": {"api_keys": KEYS}, "learner": {"enabled": False, "scope": "user"}}
