@@ -167,6 +167,20 @@ class McpConfig(Section):
     max_result_chars: int = Field(16_000, gt=0)
     start_timeout: float = Field(20.0, gt=0)
     restart_backoff_max: float = Field(30.0, gt=0)
+    # tools that run only once a person approves the call: "server.tool" or "server.*"; tools
+    # annotated destructiveHint: true need approval too unless approve_destructive is false
+    approval_required: list[str] = Field(default_factory=list)
+    approve_destructive: bool = True
+    approval_timeout: float = Field(600.0, gt=0)  # seconds an undecided approval waits; then it expires
+
+    @field_validator("approval_required")
+    @classmethod
+    def _server_dot_tool(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            server, dot, tool = entry.partition(".")
+            if not (server and dot and tool):
+                raise ValueError(f"{entry!r} is not 'server.tool' (or 'server.*'), e.g. 'notes.delete_note'")
+        return v
 
 
 class StoreConfig(Section):

@@ -384,3 +384,34 @@ class LearningView(BaseModel):
     adapters: list[AdapterView]  # oldest first
     judgments: list[JudgedTurn]  # newest first
     lessons: list[LessonView]  # oldest first
+
+
+class ApprovalDecision(BaseModel):
+    """``POST /v1/approvals/{id}``: a person's decision on a held step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    decision: Literal["approve", "reject"]
+    reason: str | None = Field(None, max_length=2000)  # a rejection's reason reaches the model and the learner
+    stream: bool = False  # the continued answer as SSE chunks, as /v1/chat/completions streams
+
+
+class ApprovalCallView(BaseModel):
+    name: str
+    arguments: Any  # the parsed arguments (the raw text when they are not JSON)
+
+
+class ApprovalView(BaseModel):
+    """A held step as the API shows it."""
+
+    id: str
+    status: Literal["pending", "approved", "rejected", "expired"]
+    user_id: str
+    session_id: str
+    turn_id: str
+    calls: list[ApprovalCallView]
+    reason: str | None
+    decided_by: str | None
+    created_at: datetime
+    expires_at: datetime
+    decided_at: datetime | None

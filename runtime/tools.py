@@ -181,6 +181,11 @@ class ToolPool:
         """The tools of the servers that are ready now, filtered and uniquely named."""
         return [info for info, link in self._index.values() if link.status == "ready"]
 
+    def info(self, name: str) -> ToolInfo | None:
+        """The tool the model knows as ``name`` (ready or not); None for a name no server offers."""
+        entry = self._index.get(name)
+        return entry[0] if entry else None
+
     def openai_tools(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI function specs for the ready tools (only ``names``, in pool order, when given)."""
         wanted = None if names is None else set(names)
