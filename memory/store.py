@@ -564,9 +564,11 @@ class Store:
         return await self._run(lambda db: db.get(Approval, approval_id))
 
     async def list_approvals(self, user_id: str | None = None, status: str | None = "pending",
-                             limit: int = 100) -> list[Approval]:  # fmt: skip
+                             limit: int = 100, session_id: str | None = None) -> list[Approval]:  # fmt: skip
         """Newest first; ``user_id`` None means every user's, ``status`` None every status."""
         query = select(Approval)
+        if session_id is not None:
+            query = query.where(Approval.session_id == session_id)
         if user_id is not None:
             query = query.where(Approval.user_id == user_id)
         if status is not None:

@@ -400,6 +400,7 @@ def _install_web_routes(app: FastAPI) -> None:
         found = await res.store.get_session(session_id)
         if found is None or found.user_id != _page_user(res, auth_user, user):
             raise ApiError(404, f"session '{session_id}' not found", code="session_not_found", param="session_id")
+        await expire_due(res.experience)
         return await session_detail(res.store, session_id)
 
     @app.get("/v1/learning")

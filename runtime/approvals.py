@@ -71,7 +71,9 @@ def approval_call(approval: Approval) -> ToolCall:
 
 def approval_view(approval: Approval) -> ApprovalView:
     calls = [
-        ApprovalCallView(name=c["function"]["name"], arguments=_arguments(c["function"].get("arguments", "{}")))
+        ApprovalCallView(
+            name=c["function"]["name"], arguments=_arguments(c["function"].get("arguments", "{}"))
+        )
         for c in approval.calls
     ]
     return ApprovalView(

@@ -321,6 +321,7 @@ class ToolStep(BaseModel):
     arguments: str
     result: str | None  # None: not run here (a client-side tool) or not answered yet
     is_error: bool = False
+    waiting: bool = False  # held until a person approves (the exchange's ``approval``)
 
 
 class Exchange(BaseModel):
@@ -335,6 +336,7 @@ class Exchange(BaseModel):
     created_at: datetime
     feedback: list[dict[str, Any]]  # {"score", "text"} in the order given
     verdict: dict[str, Any] | None  # the learner's {"score", "hint", "reason"} once judged
+    approval: ApprovalView | None = None  # a pending approval holding this request's last step
 
 
 class SessionDetail(BaseModel):

@@ -59,6 +59,9 @@ async def test_a_destructive_call_waits_for_its_owner_and_runs_once_approved(tmp
         assert held.json()["choices"][0]["message"]["content"] == "I will delete it."
         assert await alice_notes(res) == ["buy milk"]  # nothing ran
         assert len(backend.calls) == 1
+        session = f"/v1/sessions/{held.headers['x-whet-session']}"
+        [exchange] = (await client.get(session, headers=ALICE)).json()["exchanges"]
+        assert exchange["approval"]["id"] == approval_id and exchange["tools"][0]["waiting"] is True
 
         listed = (await client.get("/v1/approvals", headers=ALICE)).json()
         assert [a["id"] for a in listed] == [approval_id] and listed[0]["calls"][0]["name"] == "delete_note"
@@ -75,6 +78,9 @@ async def test_a_destructive_call_waits_for_its_owner_and_runs_once_approved(tmp
         assert answer["choices"][0]["message"]["content"] == "I will delete it. Deleted note 1."
         assert done.headers["x-whet-session"] == held.headers["x-whet-session"]
         assert await alice_notes(res) == []  # the approved call ran
+        [exchange] = (await client.get(session, headers=ALICE)).json()["exchanges"]
+        assert exchange["approval"] is None and exchange["answer"] == "I will delete it.\n\nDeleted note 1."
+        assert not exchange["tools"][0]["waiting"] and "buy milk" in exchange["tools"][0]["result"]
         tool_messages = [m for m in backend.calls[1].messages if m["role"] == "tool"]
         assert len(tool_messages) == 1 and "buy milk" in tool_messages[0]["content"]
 
