@@ -1,4 +1,4 @@
-"""The ``whet`` command line: serve, learn, adapters, tools, turns, forget, chat, bench.
+"""The ``whet`` command line: serve, learn, adapters, tools, doctor, turns, forget, chat, bench.
 
 Config problems end with one line naming the key and the fix, exit code 2.
 """
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     _config_arg(tools)
     tools.add_argument("--json", action="store_true", help="print JSON instead of a table")
     tools.set_defaults(run=_tools)
+
+    doctor = sub.add_parser("doctor", help="check the config, MCP servers, store, bus, model and data directory; "
+                            "exit 0 only if all pass")  # fmt: skip
+    _config_arg(doctor)
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor.set_defaults(run=_doctor)
 
     turns = sub.add_parser("turns", help="show recorded turns from the experience store")
     _config_arg(turns)
@@ -306,6 +312,22 @@ def _tools(args: argparse.Namespace) -> int:
         if state != "ready":
             console.print(f"[yellow]server {server}: {state}[/yellow]")
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import anyio
+
+    from whet.config.settings import LogConfig
+    from whet.runtime.doctor import print_report, run_checks
+    from whet.runtime.logs import configure_logging
+
+    configure_logging(LogConfig(level="error"))  # the report says what failed; log lines would bury it
+    checks = anyio.run(run_checks, args.config)
+    if args.json:
+        print(json.dumps([check.public() for check in checks], indent=2))
+    else:
+        print_report(checks)
+    return 0 if all(check.ok for check in checks) else 1
 
 
 def _turns(args: argparse.Namespace) -> int:

@@ -177,6 +177,10 @@ class ToolPool:
             return {name: "starting" for _, name, _ in self._servers}
         return {link.name: link.status for link in self._links}
 
+    def errors(self) -> dict[str, str]:
+        """Server name -> why it is not ready (its last failure), for servers that are not ready."""
+        return {link.name: link.error or link.status for link in self._links if link.status != "ready"}
+
     def tools(self) -> list[ToolInfo]:
         """The tools of the servers that are ready now, filtered and uniquely named."""
         return [info for info, link in self._index.values() if link.status == "ready"]
