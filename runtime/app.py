@@ -268,11 +268,15 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
+        """200 while serving; ``status`` "degraded" (with each reason in ``server_errors``) when a
+        tool server is not ready, so its tools are missing from answers."""
+        errors = res.tools.errors()
         return {
-            "status": "ok",
+            "status": "degraded" if errors else "ok",
             "model": res.model_name,
             "adapter": res.adapters.live_version(),
             "servers": res.tools.status(),
+            "server_errors": errors,
             "uptime_s": round(time.time() - res.started_at, 1),
             "learner": await res.learner.status() if res.learner else None,
         }

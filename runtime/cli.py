@@ -290,14 +290,16 @@ def _tools(args: argparse.Namespace) -> int:
     config = _load(args)
     pool = configured_tool_pool(config)
 
-    async def listing() -> tuple[list[Any], dict[str, str]]:
+    async def listing() -> tuple[list[Any], dict[str, str], dict[str, str]]:
         async with pool:
-            return pool.tools(), pool.status()
+            return pool.tools(), pool.status(), pool.errors()
 
-    tools, status = anyio.run(listing)
+    tools, status, errors = anyio.run(listing)
     if args.json:
-        print(json.dumps([{"name": t.name, "server": t.server, "description": t.description} for t in tools], indent=2))
-        return 0
+        servers = {name: {"status": state, "error": errors.get(name)} for name, state in status.items()}
+        listed = [{"name": t.name, "server": t.server, "description": t.description} for t in tools]
+        print(json.dumps({"servers": servers, "tools": listed}, indent=2))
+        return 1 if errors else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -308,10 +310,9 @@ def _tools(args: argparse.Namespace) -> int:
         table.add_row(t.name, t.server, t.description.splitlines()[0] if t.description else "")
     console = Console()
     console.print(table)
-    for server, state in status.items():
-        if state != "ready":
-            console.print(f"[yellow]server {server}: {state}[/yellow]")
-    return 0
+    for server, why in errors.items():
+        console.print(f"[red]server {server}: {status[server]}: {why}[/red] (`whet doctor` says how to fix it)")
+    return 1 if errors else 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
