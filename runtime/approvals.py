@@ -20,15 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from whet.config.settings import McpConfig
 from whet.learner.prompt import parse_arguments
-from whet.memory.experience import Experience
-from whet.memory.tables import Approval
 from whet.runtime.policy import ToolCall
 from whet.runtime.schemas import ApprovalCallView, ApprovalView
-from whet.runtime.tools import ToolInfo
+
+if TYPE_CHECKING:  # kept out at run time: `whet chat` imports this module for APPROVAL_TOOL alone
+    from whet.config.settings import McpConfig
+    from whet.memory.experience import Experience
+    from whet.memory.tables import Approval
+    from whet.runtime.tools import ToolInfo
 
 APPROVAL_TOOL = "whet_approval"
 DECISIONS = {"approve": "approved", "reject": "rejected"}
