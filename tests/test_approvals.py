@@ -130,6 +130,8 @@ async def test_a_rejected_call_never_runs_and_the_model_reads_the_rejection_in_a
         verdict = RulesJudge().decide(held_turn, NextState.of(held_turn), held_turn.prompt_messages)
         assert verdict.score == -1
         assert verdict.hint == 'The user rejected calling delete_note({"note_id": 1}): keep my notes'
+        forgotten = (await client.delete("/v1/users/alice", headers=ROOT)).json()
+        assert forgotten["store"]["approvals"] == 1 and await res.store.get_approval(approval_id) is None
 
 
 async def test_an_undecided_approval_expires_and_its_call_never_runs(tmp_path):
