@@ -134,6 +134,25 @@ async def test_a_rejected_call_never_runs_and_the_model_reads_the_rejection_in_a
         assert forgotten["store"]["approvals"] == 1 and await res.store.get_approval(approval_id) is None
 
 
+async def test_a_message_sent_while_a_call_waits_leaves_the_decision_as_its_next_state(tmp_path):
+    backend = ScriptedBackend([DELETE_CALL, "What else?", "Kept it."])
+    async with serve(tmp_path, backend, **keyed()) as (client, res):
+        held = await held_request(client, res)
+        approval_id = pending_call(held)[0]["id"]
+        session = {"X-Whet-Session": held.headers["x-whet-session"], **ALICE}
+        later = {"model": "scripted", "messages": [{"role": "user", "content": "also, hello"}]}
+        assert (await client.post("/v1/chat/completions", json=later, headers=session)).status_code == 200
+        assert (
+            await res.store.get_turn(held.json()["id"])
+        ).closed_at is None  # still waiting for the decision
+        await client.post(f"/v1/approvals/{approval_id}", json={"decision": "reject"}, headers=ALICE)
+        held_turn = await res.store.get_turn(held.json()["id"])
+        assert (
+            held_turn.next_state_kind == "tool_result"
+            and held_turn.next_state["approval"]["decision"] == "rejected"
+        )
+
+
 async def test_an_undecided_approval_expires_and_its_call_never_runs(tmp_path):
     backend = ScriptedBackend([DELETE_CALL])
     async with serve(tmp_path, backend, **keyed(mcp={"approval_timeout": 30})) as (client, res):
