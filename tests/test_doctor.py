@@ -1,8 +1,12 @@
-"""``whet doctor``: real MCP servers (stdio), a real store, the tiny model; a broken deployment exits non-zero."""
+"""``whet doctor``: real MCP servers (stdio), a real store, the tiny model; a broken deployment exits non-zero.
+
+The command runs as a subprocess, as a person runs it (it configures logging for its process).
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +15,6 @@ import pytest
 import yaml
 
 from whet.runtime import doctor
-from whet.runtime.cli import main
 
 CALC = {"command": sys.executable, "args": ["-m", "whet.servers.calc"]}
 
@@ -30,10 +33,11 @@ def write_config(tmp_path: Path, data_dir: Path, servers: dict, **sections) -> P
     return path
 
 
-def doctor_json(capsys, config: Path) -> tuple[int, dict[str, dict]]:
-    code = main(["doctor", "--config", str(config), "--json"])
-    checks = json.loads(capsys.readouterr().out)
-    return code, {check["name"]: check for check in checks}
+def doctor_json(config: Path) -> tuple[int, dict[str, dict]]:
+    done = subprocess.run([sys.executable, "-m", "whet.runtime.cli", "doctor", "--config", str(config), "--json"],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, {check["name"]: check for check in json.loads(done.stdout)}
 
 
 def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp_path, data_dir, capsys):
@@ -42,7 +46,7 @@ def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp
         "missing": {"command": "/nonexistent/whet-no-such-server"},
         "quits": {"command": sys.executable, "args": ["-c", "pass"]},  # exits at once
     }
-    code, checks = doctor_json(capsys, write_config(tmp_path, data_dir, servers))
+    code, checks = doctor_json(write_config(tmp_path, data_dir, servers))
     assert code == 1
     assert checks["mcp server calc"]["ok"] and "calculate" in checks["mcp server calc"]["detail"]
     missing = checks["mcp server missing"]
@@ -65,17 +69,17 @@ def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp
     )
 
 
-def test_doctor_passes_a_healthy_tiny_deployment_and_exits_zero(tmp_path, data_dir, capsys):
-    code, checks = doctor_json(capsys, write_config(tmp_path, data_dir, {"calc": CALC}))
+def test_doctor_passes_a_healthy_tiny_deployment_and_exits_zero(tmp_path, data_dir):
+    code, checks = doctor_json(write_config(tmp_path, data_dir, {"calc": CALC}))
     assert [name for name, check in checks.items() if not check["ok"]] == []
     assert code == 0
     assert list(checks) == ["config", "data dir", "mcp server calc", "store", "bus", "model"]
 
 
-def test_doctor_names_a_bad_config_key_and_stops_there(tmp_path, capsys):
+def test_doctor_names_a_bad_config_key_and_stops_there(tmp_path):
     path = tmp_path / "whet.yaml"
     path.write_text("modle:\n  id: tiny\n")
-    code, checks = doctor_json(capsys, path)
+    code, checks = doctor_json(path)
     assert code == 1 and list(checks) == ["config"]
     assert "modle" in checks["config"]["detail"] and "spelling" in checks["config"]["fix"]
 
