@@ -9,6 +9,7 @@ level). Everything below the entrypoint receives the resulting
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -170,6 +171,20 @@ class McpConfig(Section):
     max_result_chars: int = Field(16_000, gt=0)
     start_timeout: float = Field(20.0, gt=0)
     restart_backoff_max: float = Field(30.0, gt=0)
+    # tools that run only once a person approves the call: "server.tool" or "server.*"; tools
+    # annotated destructiveHint: true need approval too unless approve_destructive is false
+    approval_required: list[str] = Field(default_factory=list)
+    approve_destructive: bool = True
+    approval_timeout: float = Field(600.0, gt=0)  # seconds an undecided approval waits; then it expires
+
+    @field_validator("approval_required")
+    @classmethod
+    def _server_dot_tool(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            server, dot, tool = entry.partition(".")
+            if not (server and dot and tool):
+                raise ValueError(f"{entry!r} is not 'server.tool' (or 'server.*'), e.g. 'notes.delete_note'")
+        return v
 
 
 class StoreConfig(Section):
@@ -279,7 +294,13 @@ class LearnerConfig(Section):
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    json_logs: bool = False
+    # console: readable lines; json: one JSON object per line, with request, session and user ids
+    format: Literal["console", "json"] = "console"
+    json_logs: bool = False  # older spelling of format: json, still honoured
+
+    @property
+    def is_json(self) -> bool:
+        return self.format == "json" or self.json_logs
 
 
 class WhetConfig(BaseSettings):
@@ -359,6 +380,7 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
 
     Raises :class:`ConfigError` naming the first bad key and how to fix it.
     """
+    _check_env_sections(os.environ)
     data = _read_yaml(shipped_path("whet.yaml"))
     if path is not None:
         data = _merge(data, _read_yaml(Path(path).expanduser()))
@@ -369,6 +391,20 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     except ValidationError as exc:
         raise _config_error(exc) from None
     return config
+
+
+def _check_env_sections(environ: Mapping[str, str]) -> None:
+    """A ``WHET_<SECTION>__<KEY>`` variable must name a section: pydantic-settings drops unknown ones
+    silently, so a typo (``WHET_SERVERR__PORT``) would change nothing without a word."""
+    sections = {name for name, info in WhetConfig.model_fields.items()
+                if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}  # fmt: skip
+    for variable in environ:
+        if not variable.upper().startswith("WHET_") or "__" not in variable:
+            continue
+        section = variable[len("WHET_"):].split("__", 1)[0].lower()
+        if section not in sections:
+            raise ConfigError(variable, f"unknown config section '{section}' in this environment variable",
+                              f"use one of {', '.join(sorted(sections))} (WHET_<SECTION>__<KEY>), or unset it")  # fmt: skip
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

@@ -211,6 +211,7 @@ async def test_models_tools_health_and_metrics_describe_the_service(tmp_path):
         assert tools["calculate"]["annotations"].get("readOnlyHint") is True
         health = (await client.get("/health")).json()
         assert health["status"] == "ok" and set(health["servers"]) == {"calc", "clock", "notes"}
+        assert health["server_errors"] == {}
         await client.post("/v1/chat/completions", json=chat_body("17*23"))
         metrics = (await client.get("/metrics")).text
         assert 'whet_turns_total{policy_version="base"} 2.0' in metrics
@@ -298,3 +299,20 @@ async def test_a_long_tool_list_is_narrowed_to_the_tools_relevant_to_the_request
         await client.post("/v1/chat/completions", json=chat_body("please convert 5 km to miles"))
     shown = [t["function"]["name"] for t in backend.calls[0].tools]
     assert len(shown) == 3 and "convert" in shown
+
+
+async def test_health_is_degraded_and_names_the_reason_when_a_tool_server_failed(tmp_path):
+    from whet.config.mcp import McpServerSpec, StdioTransport
+    from whet.memory.index import HashingEmbedder
+
+    broken = McpServerSpec(name="broken", transport=StdioTransport(command="/nonexistent/whet-server"))
+    tools = ToolPool([broken], in_memory={"calc": calc.build_server()}, start_timeout=10)
+    app = create_app(make_config(tmp_path), backend=ScriptedBackend(["hi"]), tools=tools, embedder=HashingEmbedder())
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://whet") as client:
+            response = await client.get("/health")
+    assert response.status_code == 200  # still serving, with calc's tools
+    health = response.json()
+    assert health["status"] == "degraded"
+    assert health["servers"] == {"broken": "failed", "calc": "ready"}
+    assert list(health["server_errors"]) == ["broken"] and "FileNotFoundError" in health["server_errors"]["broken"]

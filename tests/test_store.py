@@ -184,7 +184,7 @@ async def test_forget_user_removes_everything_of_that_user_only(store):
 
     removed = await store.forget_user("alice")
 
-    assert removed == {"judgments": 0, "feedback": 1, "turns": 1, "lessons": 1, "sessions": 1, "adapters": 1, "users": 1}
+    assert removed == {"approvals": 0, "judgments": 0, "feedback": 1, "turns": 1, "lessons": 1, "sessions": 1, "adapters": 1, "users": 1}
     assert await store.list_turns(user_id="alice") == []
     assert await store.list_lessons("alice") == []
     assert [a.id for a in await store.list_adapters()] == ["user-bob-0001", "global-0001"]

@@ -37,6 +37,11 @@ async def test_bob_never_sees_alices_notes_through_the_agent_and_tool_pool(tmp_p
                           ("delete note 1", BOB), ("list my notes", ALICE)]:
             response = await client.post("/v1/chat/completions", json=chat_body(text), headers=who)
             assert response.status_code == 200, response.text
+            if response.json()["choices"][0]["finish_reason"] == "tool_calls":  # delete_note waits for approval
+                [held] = response.json()["choices"][0]["message"]["tool_calls"]
+                assert held["function"]["name"] == "whet_approval"
+                decided = await client.post(f"/v1/approvals/{held['id']}", json={"decision": "approve"}, headers=who)
+                assert decided.status_code == 200, decided.text
     assert "4711" in tool_outputs(backend.calls[1])  # alice's add answered with her note
     assert "4711" not in tool_outputs(backend.calls[3])  # bob's list
     assert "4711" not in tool_outputs(backend.calls[5])  # bob's search
