@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import structlog
 
-from whet.memory.bus import ADAPTER_PUBLISHED, LESSON_ADDED, USER_FORGOTTEN, Bus, Event
+from whet.memory.bus import ADAPTER_PUBLISHED, BUS_RECONNECTED, LESSON_ADDED, USER_FORGOTTEN, Bus, Event
 from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.runtime.adapters import AdapterRouter
@@ -99,7 +99,7 @@ class Follower:
     # -- the task ---------------------------------------------------------------
 
     async def _run(self, ready: asyncio.Future[None]) -> None:
-        async with self.bus.subscribe(ADAPTER_PUBLISHED, LESSON_ADDED, USER_FORGOTTEN) as events:
+        async with self.bus.subscribe(ADAPTER_PUBLISHED, LESSON_ADDED, USER_FORGOTTEN, BUS_RECONNECTED) as events:
             await self.catch_up()
             ready.set_result(None)
             # when the bus closes (shutdown) the events end; the poll goes on until cancelled
@@ -119,6 +119,8 @@ class Follower:
                 await self.adapters.apply(event.data)
             elif event.name == LESSON_ADDED:
                 await self._index_lesson(event.data)
+            elif event.name == BUS_RECONNECTED:  # what was published while the link was down may not come
+                await self.catch_up()
             elif event.name == USER_FORGOTTEN:  # the store has forgotten them already; so must this replica
                 user_id = str(event.data["user_id"])
                 await anyio.to_thread.run_sync(self.index.remove_user, user_id)

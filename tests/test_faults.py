@@ -141,12 +141,15 @@ def _listening(port: int) -> bool:
 def test_serving_goes_on_while_the_broker_is_down_and_every_turn_is_trained_after_it_returns(
     tmp_path, tiny_model
 ):
-    """``whet serve --no-learner`` and ``whet learn`` over a Mosquitto the test stops and restarts."""
+    """``whet serve --no-learner`` and ``whet learn`` over a Mosquitto the test stops and restarts.
+
+    The store polls are 10 minutes apart, so only the bus can bring the work: its events, and
+    after the restart (the broker forgot every session) each process's catch-up on reconnect."""
     if not Path(MOSQUITTO).is_file():
         pytest.skip(f"{MOSQUITTO} is not installed")
     port = free_port()
     config = write_config(tmp_path, tiny_model, bus={"url": f"mqtt://127.0.0.1:{port}/whet-faults"},
-                          learner={**TRAINING, "enabled": True})  # fmt: skip
+                          learner={**TRAINING, "enabled": True, "poll_s": 600})  # fmt: skip
     db = tmp_path / "data" / "whet.db"
     trained = "SELECT count(*) FROM judgments WHERE trained_in IS NOT NULL"
 
