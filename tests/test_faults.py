@@ -98,10 +98,16 @@ def serving(config: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]
         yield proc, base
 
 
-def chat(client: httpx.Client, text_: str) -> httpx.Response:
-    return client.post(
-        "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": text_}]}
-    )
+def chat(client: httpx.Client, text_: str, **fields) -> httpx.Response:
+    """One chat, one turn: no tools here, and markup the untrained tiny model writes by chance
+    is not acted on (``tool_choice: none``), so a chat never grows a second step."""
+    body = {
+        "model": "tiny",
+        "tool_choice": "none",
+        "messages": [{"role": "user", "content": text_}],
+        **fields,
+    }
+    return client.post("/v1/chat/completions", json=body)
 
 
 def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = 60) -> None:
@@ -139,7 +145,7 @@ def _listening(port: int) -> bool:
 
 
 def test_serving_goes_on_while_the_broker_is_down_and_every_turn_is_trained_after_it_returns(
-    tmp_path, tiny_model
+    tmp_path, tiny_model, record_property
 ):
     """``whet serve --no-learner`` and ``whet learn`` over a Mosquitto the test stops and restarts.
 
@@ -197,6 +203,8 @@ def test_serving_goes_on_while_the_broker_is_down_and_every_turn_is_trained_afte
             broker.__exit__(None, None, None)
     judged = dict(sqlite_rows(db, "SELECT turn_id, trained_in FROM judgments"))
     assert set(judged) == set(before + during) and all(judged.values())
+    record_property("turns_while_down", len(during))
+    record_property("trained", sum(1 for t in before + during if judged[t]))
     versions = {v for (v,) in sqlite_rows(db, "SELECT id FROM adapters")}
     assert {judged[t] for t in during} <= versions and len(versions) == 2
 
@@ -206,7 +214,7 @@ def test_serving_goes_on_while_the_broker_is_down_and_every_turn_is_trained_afte
 
 @pytest.mark.parametrize("point", ["before_step", "before_publish", "after_save"])
 def test_a_learner_process_sigkilled_mid_step_trains_every_turn_exactly_once_after_restart(
-    tmp_path, tiny_model, point
+    tmp_path, tiny_model, point, record_property
 ):
     config = write_config(tmp_path, tiny_model, learner={**TRAINING, "enabled": True})
     data = tmp_path / "data"
@@ -245,6 +253,8 @@ def test_a_learner_process_sigkilled_mid_step_trains_every_turn_exactly_once_aft
     assert sorted(batches) == sorted(turns)
     trained_in = dict(sqlite_rows(db, "SELECT turn_id, trained_in FROM judgments"))
     assert all(trained_in[t] in adapters for t in turns)
+    record_property("turns", len(turns))
+    record_property("trained_once", len(batches))
 
 
 # ----------------------------------------------------------------------------- the database link
@@ -277,7 +287,7 @@ class ThreadedProxy:
         self.loop.close()
 
 
-def test_postgresql_out_of_reach_is_a_503_and_whet_recovers_without_a_restart(tmp_path, tiny_model,
+def test_postgresql_out_of_reach_is_a_503_and_whet_recovers_without_a_restart(tmp_path, tiny_model, record_property,
                                                                                postgres_schema_url):  # fmt: skip
     proxy = ThreadedProxy(5432)
     try:
@@ -293,10 +303,12 @@ def test_postgresql_out_of_reach_is_a_503_and_whet_recovers_without_a_restart(tm
                 acknowledged.append(reply.json()["id"])
 
             proxy.cut()
-            for attempt in ("chat", "feedback", "turns"):
+            for attempt in ("chat", "stream", "feedback", "turns"):
                 started = time.monotonic()
                 if attempt == "chat":
                     down = chat(client, "while the database is away")
+                elif attempt == "stream":
+                    down = chat(client, "streamed while the database is away", stream=True)
                 elif attempt == "feedback":
                     down = client.post("/v1/feedback", json={"turn_id": acknowledged[0], "score": 1})
                 else:
@@ -325,12 +337,16 @@ def test_postgresql_out_of_reach_is_a_503_and_whet_recovers_without_a_restart(tm
     finally:
         engine.dispose()
     assert set(acknowledged) <= stored
+    record_property("acknowledged", len(acknowledged))
+    record_property("lost", len(set(acknowledged) - stored))
 
 
 # ----------------------------------------------------------------------------- the process itself
 
 
-def test_whet_serve_sigkilled_under_concurrent_writes_keeps_every_acknowledged_turn(tmp_path, tiny_model):
+def test_whet_serve_sigkilled_under_concurrent_writes_keeps_every_acknowledged_turn(
+    tmp_path, tiny_model, record_property
+):
     """Two rounds: start (the second a clean restart after a kill), six writers, SIGKILL mid-write."""
     config = write_config(tmp_path, tiny_model)
     db = tmp_path / "data" / "whet.db"
@@ -374,6 +390,8 @@ def test_whet_serve_sigkilled_under_concurrent_writes_keeps_every_acknowledged_t
         with_feedback = {row[0] for row in sqlite_rows(db, "SELECT turn_id FROM feedback")}
         assert set(rated) <= with_feedback, f"round {round_}: acknowledged feedback lost"
     assert len(acknowledged) >= 12
+    record_property("acknowledged", len(acknowledged))
+    record_property("rated", len(rated))
 
 
 # ----------------------------------------------------------------------------- the disk
@@ -393,7 +411,7 @@ def small_disk(tmp_path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_a_507_with_nothing_corrupted_and_writes_resume_when_space_returns(tmp_path, tiny_model,
+def test_a_full_disk_is_a_507_with_nothing_corrupted_and_writes_resume_when_space_returns(tmp_path, tiny_model, record_property,
                                                                                           small_disk):  # fmt: skip
     config = write_config(tmp_path, tiny_model, data_dir=small_disk)
     db = small_disk / "whet.db"
@@ -432,3 +450,5 @@ def test_a_full_disk_is_a_507_with_nothing_corrupted_and_writes_resume_when_spac
     stored = {row[0] for row in sqlite_rows(db, "SELECT id FROM turns")}
     assert set(acknowledged) <= stored
     assert shutil.disk_usage(small_disk).free > 0
+    record_property("acknowledged", len(acknowledged))
+    record_property("accepted_while_full", statuses.count(200))
