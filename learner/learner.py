@@ -344,9 +344,13 @@ class Learner:
         }
         staging = folder / f".{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        trainer.save(staging)
-        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        try:
+            staging.mkdir(parents=True)
+            trainer.save(staging)
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        except OSError:  # e.g. a full disk: the step is lost, its turns wait; leave no bytes behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self._hook("before_publish")
         staging.rename(folder / version)  # the step exists from here on
         self._hook("after_save")

@@ -30,10 +30,11 @@ import yaml
 from sqlalchemy import create_engine, text
 
 from whet.learner.tiny import build_tiny_model
+from whet.memory.bus import MemoryBus
 from whet.memory.store import open_store
 
 from test_bus import Proxy
-from test_learner import BAD, GOOD, LORA, QUESTIONS, judged_turn, new_trainer
+from test_learner import BAD, GOOD, LORA, QUESTIONS, judged_turn, learner_config, make_learner, new_trainer
 from test_loopback import free_port, wait_healthy
 
 pytestmark = pytest.mark.loopback
@@ -452,3 +453,39 @@ def test_a_full_disk_is_a_507_with_nothing_corrupted_and_writes_resume_when_spac
     assert shutil.disk_usage(small_disk).free > 0
     record_property("acknowledged", len(acknowledged))
     record_property("accepted_while_full", statuses.count(200))
+
+
+def test_a_learner_whose_adapter_disk_is_full_leaves_no_partial_version_and_trains_when_space_returns(
+    tmp_path, tiny_model, small_disk
+):
+    """The step cannot be saved: nothing of it stays on disk or in the store, and its turns wait."""
+
+    async def scenario() -> None:
+        store = open_store(f"sqlite:///{tmp_path / 'whet.db'}")
+        encoder = new_trainer(tiny_model)
+        turns = [await judged_turn(store, encoder, QUESTIONS[i], GOOD if i % 2 else BAD, 1 if i % 2 else -1,
+                                   "train") for i in range(4)]  # fmt: skip
+        learner = make_learner(
+            learner_config(batch_size=4), store, MemoryBus(), tiny_model, small_disk / "adapters"
+        )
+        filler = small_disk / "filler"
+        with filler.open("wb") as f, pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                await learner.train_ready()
+            assert not [p for p in small_disk.rglob("*") if p.name.startswith(".")], (
+                "a half-written version stayed"
+            )
+            assert await store.list_adapters() == []
+            assert [(await store.get_judgment(t)).trained_in for t in turns] == [None] * 4
+
+            filler.unlink()  # space returns
+            [version] = await learner.train_ready()
+            assert [(await store.get_judgment(t)).trained_in for t in turns] == [version] * 4
+        finally:
+            await store.aclose()
+
+    anyio.run(scenario)
