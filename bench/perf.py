@@ -1,7 +1,9 @@
-"""Serving speed of the in-process transformers engine: how much batching concurrent requests buys.
+"""whet's performance figures: serving, swaps under load, lessons, adapters, memory, store, bus, training.
 
 Every figure is measured in one run on the machine that runs it, on the untrained tiny model built
-locally (no download) unless ``--model`` names another (an HF id, a folder, ``smollm2``):
+locally (no download) unless ``--model`` names another (an HF id, a folder, ``smollm2``).
+
+Serving, on the in-process transformers engine:
 
 - ``prefill_tokens_per_s``: a prompt run alone (prefix reuse off), its tokens over the time;
 - ``decode_tokens_per_s``: one sequence, generated tokens over the time after its first token;
@@ -11,7 +13,25 @@ locally (no download) unless ``--model`` names another (an HF id, a folder, ``sm
 Stop tokens are ignored here, so every request generates exactly ``--tokens`` tokens and the
 throughputs compare equal work; prompts differ per request (so the batch is padded).
 
+The service (``bench/service_perf.py``; ``--quick`` shrinks every size):
+
+- ``p1_failed_requests``, ``p1_p99_ratio``: 8 chats in flight in a closed loop with a new adapter
+  version going live every 3 s, against the same load without swaps (p99 latency ratio);
+- ``p2_lesson_latency_ms``: feedback with a correction -> retrieval offers the lesson (median);
+- ``p3_adapter_latency_s``: the feedback completing a training batch -> the first request answered
+  by the new version (the learner in-process, training on the same model);
+- ``p4_overhead_ms_p50``: a whole chat request (HTTP, agent loop, store, retrieval over 100k
+  lessons) minus the backend call, on an instant scripted backend;
+- ``p5_search_ms_p50``, ``p5_recall_at_5``: lesson search over 1M lessons against exact search;
+- ``p6_sqlite_turns_per_s``, ``p6_postgres_turns_per_s``: turns written one after another;
+- ``p7_mqtt_events_per_s``, ``p7_mqtt_latency_ms_p50``: events through Mosquitto;
+- ``train_tokens_per_s``, ``serving_latency_ratio_while_training``: LoRA steps on ``learner.threads``
+  beside serving (``bench/serving_during_training.py``).
+
+A service that cannot be reached (PostgreSQL, Mosquitto) leaves its figures null and says why.
+
     python bench/perf.py [--quick] [--json FILE] [--model ID] [--dtype auto|float32|bfloat16]
+                         [--postgres URL] [--mqtt URL]
 """
 
 from __future__ import annotations
@@ -36,6 +56,9 @@ from rich.table import Table
 from whet.runtime.hf import TransformersBackend
 from whet.runtime.policy import SamplingParams
 from whet.runtime.prefix import PrefixCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+from service_perf import HEADLINE, Sizes, measure_service  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 TOPICS = ("the weather in Paris", "my calendar tomorrow", "a short poem", "the train to Berlin",
@@ -63,11 +86,13 @@ class Report:
     sequential_tokens_per_s: float = 0.0
     tokens_per_s: dict[str, float] = field(default_factory=dict)  # by concurrency
     serving_speedup: dict[str, float] = field(default_factory=dict)  # by concurrency
+    service: dict[str, float] = field(default_factory=dict)  # the p* and training figures, with details
+    unavailable: dict[str, str] = field(default_factory=dict)  # figure -> why it was not measured
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> dict[str, float | None]:
         out = {"prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
         out |= {f"serving_speedup_{n}": v for n, v in self.serving_speedup.items()}
-        return out
+        return out | {name: self.service.get(name) for name in HEADLINE}
 
 
 def messages(i: int, words: int = 0) -> list[dict[str, str]]:
@@ -129,16 +154,14 @@ def machine(backend: TransformersBackend) -> dict[str, object]:
     }  # fmt: skip
 
 
-def load(plan: Plan) -> TransformersBackend:
+def model_source(plan: Plan) -> Path:
     from whet.config.settings import load_config
     from whet.learner.model import resolve_source
     from whet.learner.tiny import build_tiny_model
 
     if plan.model == "tiny":
-        source = str(build_tiny_model(Path(tempfile.mkdtemp()) / "model"))
-    else:
-        source = resolve_source(plan.model, load_config().data_path)
-    return TransformersBackend(source, device=plan.device, dtype=plan.dtype, workers=max(plan.concurrency))
+        return build_tiny_model(Path(tempfile.mkdtemp()) / "model")
+    return Path(resolve_source(plan.model, load_config().data_path))
 
 
 def print_table(report: Report, console: Console) -> None:
@@ -151,8 +174,31 @@ def print_table(report: Report, console: Console) -> None:
     table.add_row("sequential tokens/s", f"{report.sequential_tokens_per_s:.1f}", "requests one after another")
     for n, speedup in report.serving_speedup.items():
         table.add_row(f"serving_speedup_{n}", f"{speedup:.2f}", f"{report.tokens_per_s[n]:.1f} tokens/s, {n} at once")
+    s = report.service
+    for name in HEADLINE:
+        value = s.get(name)
+        shown = "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+        table.add_row(name, shown, report.unavailable.get(name) or _what(name, s))
     console.print(table)
     console.print(f"reproduce: {report.command}")
+
+
+def _what(name: str, s: dict[str, float]) -> str:
+    """The context a figure is read in."""
+    if name.startswith("p1_"):
+        return (f"{s['p1_requests']} requests, {s['p1_swaps']} swaps; p99 {s['p1_p99_ms_swapping']:.0f} ms swapping "
+                f"vs {s['p1_p99_ms_steady']:.0f} ms steady")  # fmt: skip
+    if name.startswith("p4_"):
+        return f"{s['p4_lessons']} lessons, instant backend"
+    if name.startswith("p5_"):
+        return f"{s['p5_lessons']} lessons vs exact search"
+    if name == "p7_mqtt_latency_ms_p50":
+        return f"p99 {s['p7_mqtt_latency_ms_p99']:.1f} ms"
+    if name == "train_tokens_per_s":
+        return f"{s['train_threads']} threads, {s['train_step_ms']:.0f} ms a step"
+    if name == "serving_latency_ratio_while_training":
+        return f"p50 {s['serving_p50_training_ms']:.0f} ms training vs {s['serving_p50_idle_ms']:.0f} ms idle"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="N values, comma-separated")
     parser.add_argument("--tokens", type=int, help="tokens generated per request (default 48, --quick 12)")
+    parser.add_argument("--postgres", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
+                        help="PostgreSQL for p6 (a throwaway schema is made and dropped)")  # fmt: skip
+    parser.add_argument("--mqtt", default="mqtt://127.0.0.1:1883", help="MQTT broker for p7")
     args = parser.parse_args(argv)
     plan = Plan(model=args.model, dtype=args.dtype, device=args.device)
     plan.concurrency = tuple(int(n) for n in args.concurrency.split(","))
@@ -171,13 +220,19 @@ def main(argv: list[str] | None = None) -> int:
         plan.tokens, plan.prefill_tokens, plan.repeats = 12, 64, 1
     if args.tokens:
         plan.tokens = args.tokens
-    backend = load(plan)
+    source = model_source(plan)
+    workers = max(plan.concurrency)
+    backend = TransformersBackend(str(source), device=plan.device, dtype=plan.dtype, workers=workers)
     command = shlex.join(["python", "bench/perf.py", *(sys.argv[1:] if argv is None else argv)])
     report = Report(command=command, machine=machine(backend), plan=asdict(plan))
     try:
         asyncio.run(measure(backend, plan, report))
     finally:
         asyncio.run(backend.aclose())
+    sizes = Sizes.quick() if args.quick else Sizes()
+    report.service, report.unavailable = asyncio.run(
+        measure_service(source, plan.device, plan.dtype, sizes, args.postgres, args.mqtt)
+    )
     print_table(report, Console(width=120))
     if args.json:
         args.json.write_text(json.dumps({**asdict(report), "figures": report.figures()}, indent=2) + "\n")

@@ -9,6 +9,7 @@ level). Everything below the entrypoint receives the resulting
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -155,6 +156,9 @@ class AgentConfig(Section):
     )
     max_steps: int = Field(6, ge=1, le=64)
     lessons_k: int = Field(4, ge=0)
+    # a lesson less similar than this (cosine) to the request stays out of the prompt: small talk
+    # gets no lessons about the time at home to misread
+    lessons_min_score: float = Field(0.3, ge=-1.0, le=1.0)
     lesson_token_budget: int = Field(256, ge=0)
     # above this many tools, only the tools_k most relevant to the request are shown
     tools_k: int = Field(16, ge=1)
@@ -167,6 +171,20 @@ class McpConfig(Section):
     max_result_chars: int = Field(16_000, gt=0)
     start_timeout: float = Field(20.0, gt=0)
     restart_backoff_max: float = Field(30.0, gt=0)
+    # tools that run only once a person approves the call: "server.tool" or "server.*"; tools
+    # annotated destructiveHint: true need approval too unless approve_destructive is false
+    approval_required: list[str] = Field(default_factory=list)
+    approve_destructive: bool = True
+    approval_timeout: float = Field(600.0, gt=0)  # seconds an undecided approval waits; then it expires
+
+    @field_validator("approval_required")
+    @classmethod
+    def _server_dot_tool(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            server, dot, tool = entry.partition(".")
+            if not (server and dot and tool):
+                raise ValueError(f"{entry!r} is not 'server.tool' (or 'server.*'), e.g. 'notes.delete_note'")
+        return v
 
 
 class StoreConfig(Section):
@@ -265,6 +283,9 @@ class LearnerConfig(Section):
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)
     device: str = "auto"  # where training runs: auto | cpu | cuda | cuda:1
+    # CPU threads a training step may use (torch intra-op, in the training thread only), so serving
+    # keeps the rest; null = half the cores this process may run on (at least 1)
+    threads: int | None = Field(None, ge=1)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -273,7 +294,13 @@ class LearnerConfig(Section):
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    json_logs: bool = False
+    # console: readable lines; json: one JSON object per line, with request, session and user ids
+    format: Literal["console", "json"] = "console"
+    json_logs: bool = False  # older spelling of format: json, still honoured
+
+    @property
+    def is_json(self) -> bool:
+        return self.format == "json" or self.json_logs
 
 
 class WhetConfig(BaseSettings):
@@ -353,6 +380,7 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
 
     Raises :class:`ConfigError` naming the first bad key and how to fix it.
     """
+    _check_env_sections(os.environ)
     data = _read_yaml(shipped_path("whet.yaml"))
     if path is not None:
         data = _merge(data, _read_yaml(Path(path).expanduser()))
@@ -363,6 +391,20 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     except ValidationError as exc:
         raise _config_error(exc) from None
     return config
+
+
+def _check_env_sections(environ: Mapping[str, str]) -> None:
+    """A ``WHET_<SECTION>__<KEY>`` variable must name a section: pydantic-settings drops unknown ones
+    silently, so a typo (``WHET_SERVERR__PORT``) would change nothing without a word."""
+    sections = {name for name, info in WhetConfig.model_fields.items()
+                if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}  # fmt: skip
+    for variable in environ:
+        if not variable.upper().startswith("WHET_") or "__" not in variable:
+            continue
+        section = variable[len("WHET_"):].split("__", 1)[0].lower()
+        if section not in sections:
+            raise ConfigError(variable, f"unknown config section '{section}' in this environment variable",
+                              f"use one of {', '.join(sorted(sections))} (WHET_<SECTION>__<KEY>), or unset it")  # fmt: skip
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

@@ -151,7 +151,8 @@ class RulesJudge:
     """Deterministic verdicts from the next state alone; never raises for well-formed turns.
 
     Explicit feedback wins (the latest row: its sign is the score, a negative one's text the
-    hint). A tool result with an ``error:`` is -1; otherwise 0. The user's next message is
+    hint). A held call's approval comes next: rejected -1 (its reason in the hint), approved +1,
+    expired 0. A tool result with an ``error:`` is -1; otherwise 0. The user's next message is
     read in this order: a correction (-1, hint from :data:`CORRECTIONS`), a re-query (-1),
     thanks or praise (+1), an unclear reply such as "?" or "huh" (0), else the user moved on (+1).
     """
@@ -185,6 +186,13 @@ class RulesJudge:
         return self._verdict(sign, hint, f"explicit feedback {score:+.2f}")
 
     def _tool_result(self, turn: Turn, data: dict[str, Any]) -> Verdict:
+        approval = data.get("approval") or {}
+        if approval.get("decision") == "rejected":  # a person said the action was wrong
+            reason = " ".join((approval.get("reason") or "").split())
+            hint = f"The user rejected calling {_call_list(turn, approval)}" + (f": {reason}" if reason else "")
+            return self._verdict(-1, _clip(hint), "the user rejected the call")
+        if approval.get("decision") == "expired":  # nobody looked: says nothing about the action
+            return self._verdict(0, None, "the approval expired undecided")
         results = data.get("results") or []
         for result in results:
             content = content_text(result.get("content")).strip()
@@ -192,6 +200,8 @@ class RulesJudge:
                 name = result.get("name") or _call_name(turn, result.get("tool_call_id")) or "the tool"
                 message = _clip(" ".join(content[len("error:"):].split()))
                 return self._verdict(-1, f"Calling {name} failed: {message}", f"tool {name} returned an error")
+        if approval.get("decision") == "approved":  # a person agreed the action was right
+            return self._verdict(1, None, "the user approved the call")
         return self._verdict(0, None, "tool ran without error" if results else "no tool results")
 
     def _user_message(self, data: dict[str, Any], context: list[dict[str, Any]]) -> Verdict:
@@ -236,6 +246,13 @@ def _third_person(text: str) -> str:
 
 def _clip(text: str, limit: int = HINT_LIMIT) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
+
+
+def _call_list(turn: Turn, approval: dict[str, Any]) -> str:
+    """The held calls as ``name(arguments)``, the way the turn made them."""
+    held = set(approval.get("calls") or [])
+    calls = [c["function"] for c in turn.tool_calls if not held or c["function"]["name"] in held]
+    return ", ".join(f"{c['name']}({c.get('arguments', '')})" for c in calls) or "the tool"
 
 
 def _call_name(turn: Turn, call_id: str | None) -> str | None:

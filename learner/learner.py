@@ -60,7 +60,7 @@ from whet.learner.model import resolve_source
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
-from whet.learner.trainer import LoraTrainer, Sample
+from whet.learner.trainer import LoraTrainer, Sample, limited_threads, training_threads
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
 from whet.memory.store import Store
 from whet.memory.tables import Adapter, Judgment, Turn
@@ -297,7 +297,7 @@ class Learner:
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
         state = await anyio.to_thread.run_sync(
-            self._step_sync, version, folder, live, batch, held, limiter=self._limiter
+            self._step_limited, version, folder, live, batch, held, limiter=self._limiter
         )
         await self._finish(version, scope, user_id, folder / version, state)
         return version
@@ -309,6 +309,11 @@ class Learner:
             if self._regression_loader is not None:
                 self._regression = self._regression_loader(self._trainer.tokenizer)
         return self._trainer
+
+    def _step_limited(self, *args: Any) -> dict[str, Any]:
+        """:meth:`_step_sync` on ``learner.threads`` CPU threads, so serving keeps the other cores."""
+        with limited_threads(training_threads(self.config.threads)):
+            return self._step_sync(*args)
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip

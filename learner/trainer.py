@@ -18,7 +18,9 @@ it (``optimizer.pt``, which peft ignores), so a lineage resumes exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +237,29 @@ class LoraTrainer:
             return None
         action = self.teacher_action(sample.teacher_prompt_ids, max(2 * len(sample.response_ids), 64))
         return action if action != list(sample.response_ids) else None
+
+
+def training_threads(configured: int | None) -> int:
+    """How many CPU threads a training step uses: ``configured``, else half the usable cores (at least 1)."""
+    if configured is not None:
+        return configured
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // 2)
+
+
+@contextmanager
+def limited_threads(n: int) -> Iterator[None]:
+    """Run the block with at most ``n`` torch intra-op threads in the calling thread.
+
+    torch keeps the count per thread (OpenMP's setting is per thread; a thread reads the global
+    value once, when it first runs torch code): the serving engine's thread, already running,
+    keeps its own count while a step runs here, and the count is restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def use_bfloat16(precision: str, device: torch.device) -> bool:

@@ -31,6 +31,7 @@ TURN_CLOSED = "turn.closed"
 FEEDBACK_ADDED = "feedback.added"
 ADAPTER_PUBLISHED = "adapter.published"
 LESSON_ADDED = "lesson.added"
+LESSON_DELETED = "lesson.deleted"  # {"lesson_id"}: every replica drops it from its index
 USER_FORGOTTEN = "user.forgotten"  # {"user_id"}: every replica drops the user's lessons and adapter
 # {"connects"}: local only, never sent: this process's broker link came back, and events published
 # meanwhile may be lost (a broker restarted without persistence forgets sessions): catch up from the store

@@ -34,9 +34,13 @@ class Experience:
         return turn
 
     async def close_open(self, session_id: str, kind: str, next_state: dict[str, Any]) -> list[Turn]:
-        """Close every turn of the session still waiting for its next state."""
+        """Close every turn of the session still waiting for its next state, except a step held
+        for approval: a person's decision on it is its next state (or its expiry)."""
+        held = {a.turn_id for a in await self.store.list_approvals(status="pending", session_id=session_id)}
         closed = []
         for turn in await self.store.open_turns(session_id):
+            if turn.id in held:
+                continue
             done = await self.close(turn.id, kind, next_state)
             if done is not None:
                 closed.append(done)

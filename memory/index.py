@@ -216,10 +216,20 @@ class LessonIndex:
                     hits.append(LessonHit(int(lesson_id), user_id, text, float(score)))
             return hits
 
+    def ids(self) -> set[int]:
+        """The ids of the indexed lessons."""
+        with self._lock:
+            return set(self._lessons)
+
     def remove(self, lesson_id: int) -> bool:
         """Forget one lesson; True if it was indexed."""
         with self._lock:
             return self._drop(np.array([lesson_id], dtype=np.int64)) == 1
+
+    def remove_many(self, lesson_ids: Iterable[int]) -> int:
+        """Forget these lessons; returns how many were indexed."""
+        with self._lock:
+            return self._drop(np.fromiter(lesson_ids, dtype=np.int64))
 
     def remove_user(self, user_id: str) -> int:
         """Forget all of a user's lessons; returns how many went."""

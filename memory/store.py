@@ -34,9 +34,11 @@ from sqlmodel import Session, SQLModel, create_engine, select
 from whet.memory.tables import (
     ADAPTER_SCOPES,
     ADAPTER_STATUSES,
+    APPROVAL_STATUSES,
     NEXT_STATE_KINDS,
     TABLES,
     Adapter,
+    Approval,
     ChatSession,
     Feedback,
     Judgment,
@@ -381,6 +383,15 @@ class Store:
             query = query.where(Lesson.user_id == user_id)
         return await self._run(lambda db: list(db.exec(query).all()))
 
+    async def lesson_ids(self) -> set[int]:
+        """The ids of every stored lesson (what a replica's index may hold)."""
+        return await self._run(lambda db: set(db.exec(select(Lesson.id)).all()))
+
+    async def count_lessons(self, *, up_to: int) -> int:
+        """How many stored lessons have an id of at most ``up_to``."""
+        query = select(func.count()).select_from(Lesson).where(Lesson.id <= up_to)
+        return await self._run(lambda db: db.exec(query).one())
+
     async def delete_lesson(self, lesson_id: int) -> bool:
         """Delete one lesson row; True if it existed. The index entry is the caller's to remove."""
         statement = sa_delete(Lesson).where(Lesson.id == lesson_id)
@@ -589,6 +600,65 @@ class Store:
 
         return await self._run(work)
 
+    # ---- approvals
+
+    async def add_approval(self, approval: Approval) -> Approval:
+        return await self._run(lambda db: (db.add(approval), approval)[1])
+
+    async def get_approval(self, approval_id: str) -> Approval | None:
+        if "\x00" in approval_id:
+            return None
+        return await self._run(lambda db: db.get(Approval, approval_id))
+
+    async def list_approvals(self, user_id: str | None = None, status: str | None = "pending",
+                             limit: int = 100, session_id: str | None = None) -> list[Approval]:  # fmt: skip
+        """Newest first; ``user_id`` None means every user's, ``status`` None every status."""
+        query = select(Approval)
+        if session_id is not None:
+            query = query.where(Approval.session_id == session_id)
+        if user_id is not None:
+            query = query.where(Approval.user_id == user_id)
+        if status is not None:
+            query = query.where(Approval.status == status)
+        query = query.order_by(Approval.created_at.desc()).limit(limit)
+        return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def decide_approval(
+        self, approval_id: str, status: str, *, by: str | None = None, reason: str | None = None,
+        now: datetime | None = None,
+    ) -> Approval | None:  # fmt: skip
+        """Move a pending approval to ``status``, atomically: of concurrent deciders one wins.
+
+        "approved" and "rejected" win only before ``expires_at``, "expired" only after it.
+        Returns the decided row, or None when it was not pending (or not in time) any more.
+        """
+        if status not in APPROVAL_STATUSES - {"pending"}:
+            raise ValueError(f"an approval is decided as approved, rejected or expired, not {status!r}")
+        now = now or utcnow()
+        due = Approval.expires_at <= now if status == "expired" else Approval.expires_at > now
+        statement = (
+            update(Approval)
+            .where(Approval.id == approval_id, Approval.status == "pending", due)
+            .values(status=status, decided_by=by, reason=reason, decided_at=now)
+        )
+
+        def work(db: Session) -> Approval | None:
+            if db.execute(statement).rowcount != 1:
+                return None
+            return db.get(Approval, approval_id, populate_existing=True)
+
+        return await self._run(work)
+
+    async def due_approvals(self, now: datetime | None = None, limit: int = 100) -> list[Approval]:
+        """Pending approvals past their expiry, oldest first."""
+        query = (
+            select(Approval)
+            .where(Approval.status == "pending", Approval.expires_at <= (now or utcnow()))
+            .order_by(Approval.expires_at)
+            .limit(limit)
+        )
+        return await self._run(lambda db: list(db.exec(query).all()))
+
     # ---- whole-store operations
 
     async def forget_user(self, user_id: str) -> dict[str, int]:
@@ -596,6 +666,9 @@ class Store:
         Adapter files on disk and index entries are the caller's to remove."""
         user_turns = select(Turn.id).where(Turn.user_id == user_id)
         statements = {
+            "approvals": sa_delete(Approval).where(
+                or_(Approval.user_id == user_id, Approval.turn_id.in_(user_turns))
+            ),
             "judgments": sa_delete(Judgment).where(
                 or_(Judgment.user_id == user_id, Judgment.turn_id.in_(user_turns))
             ),

@@ -22,6 +22,7 @@ from sqlmodel import AutoString, Field, SQLModel
 NEXT_STATE_KINDS = frozenset({"tool_result", "user_message", "feedback"})
 ADAPTER_SCOPES = frozenset({"global", "user"})
 ADAPTER_STATUSES = frozenset({"candidate", "live", "rejected", "retired"})
+APPROVAL_STATUSES = frozenset({"pending", "approved", "rejected", "expired"})
 
 
 def utcnow() -> datetime:
@@ -259,5 +260,34 @@ class JudgmentPublic(SQLModel):
     created_at: datetime
 
 
+def new_approval_id() -> str:
+    return "appr_" + uuid.uuid4().hex
+
+
+class Approval(SQLModel, table=True):
+    """A model step held until a person decides: its tool calls run only once approved.
+
+    ``calls`` are the step's tool calls that need approval (OpenAI shape); ``resume`` is the
+    agent's own record of where the request stood, so the decision can continue it on any
+    replica. The status moves once, from "pending" to "approved", "rejected" or "expired".
+    """
+
+    __tablename__ = "approvals"
+
+    id: str = Field(default_factory=new_approval_id, primary_key=True)
+    turn_id: str = Field(foreign_key="turns.id", index=True)  # the held step
+    session_id: str = Field(index=True)
+    user_id: str = Field(index=True)  # who owns the turn, and so may decide
+    request_id: str
+    calls: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
+    resume: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    status: str = Field(default="pending", index=True)
+    reason: str | None = Field(default=None, sa_type=NulSafeText)
+    decided_by: str | None = None
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    expires_at: datetime = Field(sa_type=UTCDateTime, index=True)
+    decided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
 TABLES = [User.__table__, ChatSession.__table__, Turn.__table__, Feedback.__table__,
-          Adapter.__table__, Lesson.__table__, Judgment.__table__]  # fmt: skip
+          Adapter.__table__, Lesson.__table__, Judgment.__table__, Approval.__table__]  # fmt: skip

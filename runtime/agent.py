@@ -13,12 +13,14 @@ finishes on, and that adapter stays loaded until the request is over.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -29,8 +31,9 @@ from whet.config.settings import AgentConfig
 from whet.learner.prompt import canonical_arguments, last_user_text, with_lessons
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex
-from whet.memory.tables import Turn, TurnCreate, new_turn_id
+from whet.memory.tables import Approval, Turn, TurnCreate, new_turn_id, utcnow
 from whet.runtime.adapters import AdapterRouter
+from whet.runtime.approvals import ApprovalPolicy, approval_call, outcome, unrun_result
 from whet.runtime.chat_format import TOOL_CALL_OPEN
 from whet.runtime.policy import Generation, PolicyBackend, SamplingParams, ToolCall
 from whet.runtime.tools import ToolInfo, ToolPool
@@ -60,10 +63,21 @@ class TurnRequest:
 class AgentResult:
     turn: Turn  # the last recorded turn; its id is the response id
     content: str
-    client_tool_calls: list[ToolCall]
+    client_tool_calls: list[ToolCall]  # for the client to run; a held step's is the whet_approval call
     finish_reason: str
     usage: dict[str, int]
     messages: list[dict[str, Any]]  # the conversation as the model saw it, reply included
+    approval: Approval | None = None  # set when the step waits for a person's decision
+
+
+@dataclass
+class _Run:
+    """Where one request's loop stands; a held step saves it and its decision resumes from it."""
+
+    messages: list[dict[str, Any]]  # as the model sees them
+    tools: list[dict[str, Any]]
+    usage: dict[str, int]
+    shown: list[str]  # every text delta the client saw: the reply is all of it, across steps
 
 
 @dataclass
@@ -81,6 +95,7 @@ class Agent:
         config: AgentConfig,
         metrics: Any = None,
         adapters: AdapterRouter | None = None,
+        approvals: ApprovalPolicy | None = None,
     ) -> None:
         self.backend = backend
         self.tools = tools
@@ -89,24 +104,32 @@ class Agent:
         self.config = config
         self.metrics = metrics
         self.adapters = adapters  # None: requests run on whatever ``request.adapter`` names
+        self.approvals = approvals or ApprovalPolicy()
         self._tool_vectors: dict[str, np.ndarray] = {}  # "name: description" -> embedding
 
-    async def run(self, request: TurnRequest) -> AgentResult:
+    async def run(self, request: TurnRequest, approval: Approval | None = None) -> AgentResult:
         # closed on return, so the adapter lease ends with the request, not when the generator is collected
-        async with aclosing(self.events(request)) as events:
+        async with aclosing(self.events(request, approval)) as events:
             async for event in events:
                 if isinstance(event, AgentResult):
                     return event
         raise RuntimeError("agent loop ended without a result")  # pragma: no cover
 
-    async def events(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
+    async def events(
+        self, request: TurnRequest, approval: Approval | None = None
+    ) -> AsyncIterator[Delta | AgentResult]:
         """Text deltas of what the model says to the user, then one AgentResult.
+
+        With a decided ``approval`` (and ``request`` from :func:`resumed_request`), the request
+        that approval held goes on from its held step: the calls run (approved) or the model
+        reads that they were rejected, and the loop continues.
 
         The adapter is pinned at the first iteration and held until the iterator ends,
         fails, is closed (``contextlib.aclosing``) or its task is cancelled.
         """
         with self._pinned(request):
-            async with aclosing(self._steps(request)) as steps:
+            steps_of = self._steps(request) if approval is None else self._resumed(request, approval)
+            async with aclosing(steps_of) as steps:
                 async for event in steps:
                     yield event
 
@@ -122,13 +145,21 @@ class Agent:
     async def _steps(self, request: TurnRequest) -> AsyncIterator[Delta | AgentResult]:
         messages = await self._context(request)
         tools = [] if request.tool_choice == "none" else await self._tool_specs(request, messages)
+        run = _Run(messages, tools, {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, [])
+        async with aclosing(self._loop(request, run, 0, None)) as steps:
+            async for event in steps:
+                yield event
+
+    async def _loop(
+        self, request: TurnRequest, run: _Run, first: int, turn: Turn | None
+    ) -> AsyncIterator[Delta | AgentResult]:
+        """Model steps from ``first`` on, until a final answer, calls for the client, a held step or the limit."""
+        messages, shown = run.messages, run.shown
         client_names = {t["function"]["name"] for t in request.client_tools}
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        shown: list[str] = []  # every text delta the client saw: the reply is all of it, across steps
-        for step in range(self.config.max_steps):
+        for step in range(first, self.config.max_steps):
             generation = None
             earlier = len(shown)  # deltas of the steps before this one
-            async for item in self._generate(messages, tools, request):
+            async for item in self._generate(messages, run.tools, request):
                 if isinstance(item, Generation):
                     generation = item
                     continue
@@ -138,39 +169,105 @@ class Agent:
                 yield Delta(item)
             assert generation is not None
             for key, value in generation.usage.items():
-                usage[key] += value
+                run.usage[key] += value
             calls, errors = generation.tool_calls, generation.tool_call_errors
             if request.tool_choice == "none":
                 calls, errors = [], []  # markup the model wrote anyway is not acted on (nor shown)
             client_calls = [c for c in calls if c.name in client_names]
-            final = (not calls and not errors) or bool(client_calls) or step == self.config.max_steps - 1
+            held = [c for c in calls if c.name not in client_names and self._needs_approval(c)]
+            final = (not calls and not errors) or bool(client_calls or held) or step == self.config.max_steps - 1
             turn_id = request.answer_turn_id if final else new_turn_id()
-            turn = await self._record(request, turn_id, step, messages, tools, generation)
+            turn = await self._record(request, turn_id, step, messages, run.tools, generation)
             content = "".join(shown).strip()
             if not calls and not errors:
                 messages.append({"role": "assistant", "content": generation.content})
                 finish = "stop" if generation.finish_reason == "tool_calls" else generation.finish_reason
-                yield self._result(turn, content, [], finish, usage, messages)
+                yield self._result(turn, content, [], finish, run.usage, messages)
                 return
-            server_calls = [c for c in calls if c.name not in client_names]
-            if server_calls or errors:
-                # run what the server can even when the client has calls of its own; nothing is dropped
-                results = await self._act(server_calls, errors, request.user_id)
-                messages.append(_assistant_message(generation.content, calls if client_calls else server_calls))
-                messages.extend(results)
-                await self.experience.close(turn.id, "tool_result", {"results": results})
-            if client_calls:
-                if not server_calls:
-                    messages.append(_assistant_message(generation.content, client_calls))
-                yield self._result(turn, content, client_calls, "tool_calls", usage, messages)
+            if held:  # none of the step's calls runs before a person decides
+                approval = await self._hold(request, run, turn, step, generation.content, calls, errors, held)
+                yield self._result(turn, content, [approval_call(approval)], "tool_calls", run.usage, messages,
+                                   approval)  # fmt: skip
+                return
+            result = await self._act_step(request, run, turn, generation.content, calls, errors)
+            if result is not None:
+                yield result
                 return
         if not shown:
             shown.append(f"I stopped after {self.config.max_steps} tool steps without a final answer.")
             yield Delta(shown[0])
-        yield self._result(turn, "".join(shown).strip(), [], "length", usage, messages)
+        assert turn is not None
+        yield self._result(turn, "".join(shown).strip(), [], "length", run.usage, messages)
 
-    def _result(self, turn, content, calls, finish, usage, messages) -> AgentResult:
-        return AgentResult(turn, content, calls, finish, dict(usage), messages)
+    async def _act_step(
+        self, request: TurnRequest, run: _Run, turn: Turn, content: str, calls: list[ToolCall], errors: list[str],
+        approval: Approval | None = None,
+    ) -> AgentResult | None:  # fmt: skip
+        """Run a step's server calls and close its turn; an AgentResult when the client has calls to run."""
+        client_names = {t["function"]["name"] for t in request.client_tools}
+        client_calls = [c for c in calls if c.name in client_names]
+        server_calls = [c for c in calls if c.name not in client_names]
+        if server_calls or errors:
+            # run what the server can even when the client has calls of its own; nothing is dropped
+            unrun = {}
+            if approval is not None and approval.status != "approved":
+                unrun = {c["id"]: unrun_result(approval) for c in approval.calls}
+            results = await self._act(server_calls, errors, request.user_id, unrun)
+            run.messages.append(_assistant_message(content, calls if client_calls else server_calls))
+            run.messages.extend(results)
+            next_state: dict[str, Any] = {"results": results}
+            if approval is not None:
+                next_state["approval"] = outcome(approval)
+            await self.experience.close(turn.id, "tool_result", next_state)
+        if not client_calls:
+            return None
+        if not server_calls:
+            run.messages.append(_assistant_message(content, client_calls))
+        content = "".join(run.shown).strip()
+        return self._result(turn, content, client_calls, "tool_calls", run.usage, run.messages)
+
+    async def _hold(
+        self, request: TurnRequest, run: _Run, turn: Turn, step: int, content: str, calls: list[ToolCall],
+        errors: list[str], held: list[ToolCall],
+    ) -> Approval:  # fmt: skip
+        """Store the step as an approval, with all the request needs to go on from it once decided."""
+        resume = {
+            "step": step, "content": content, "calls": [c.to_openai() for c in calls], "errors": list(errors),
+            "messages": run.messages, "tools": run.tools, "usage": run.usage, "shown": run.shown,
+            "client_messages": request.messages, "client_tools": request.client_tools,
+            "params": dataclasses.asdict(request.params), "tool_choice": request.tool_choice,
+        }  # fmt: skip
+        now = utcnow()
+        approval = Approval(
+            turn_id=turn.id, session_id=request.session_id, user_id=request.user_id, request_id=request.request_id,
+            calls=[c.to_openai() for c in held], resume=resume, created_at=now,
+            expires_at=now + timedelta(seconds=self.approvals.timeout),
+        )  # fmt: skip
+        approval = await self.experience.store.add_approval(approval)
+        log.info("approval.pending", approval=approval.id, tools=[c.name for c in held], turn=turn.id)
+        return approval
+
+    async def _resumed(self, request: TurnRequest, approval: Approval) -> AsyncIterator[Delta | AgentResult]:
+        state = approval.resume
+        run = _Run(state["messages"], state["tools"], dict(state["usage"]), list(state["shown"]))
+        turn = await self.experience.store.get_turn(approval.turn_id)
+        if turn is None:
+            raise LookupError(f"the turn approval {approval.id} held is gone (its user was forgotten)")
+        calls = [ToolCall(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                 for c in state["calls"]]  # fmt: skip
+        result = await self._act_step(request, run, turn, state["content"], calls, state["errors"], approval)
+        if result is not None:
+            yield result
+            return
+        async with aclosing(self._loop(request, run, state["step"] + 1, turn)) as steps:
+            async for event in steps:
+                yield event
+
+    def _needs_approval(self, call: ToolCall) -> bool:
+        return self.approvals.needs(self.tools.info(call.name))
+
+    def _result(self, turn, content, calls, finish, usage, messages, approval=None) -> AgentResult:
+        return AgentResult(turn, content, calls, finish, dict(usage), messages, approval)
 
     async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
         messages = await self._with_server_results(request.session_id, [dict(m) for m in request.messages])
@@ -204,6 +301,8 @@ class Agent:
         hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
         chosen, budget = [], self.config.lesson_token_budget
         for hit in hits:
+            if hit.score < self.config.lessons_min_score:
+                break  # best first: the rest are further still
             cost = _approx_tokens(hit.text)
             if cost > budget:
                 break
@@ -275,11 +374,20 @@ class Agent:
             self.metrics.turn_recorded(generation)
         return turn
 
-    async def _act(self, calls: list[ToolCall], errors: list[str], user_id: str) -> list[dict[str, Any]]:
-        """Run the tool calls concurrently for ``user_id``; every problem becomes a tool-error message."""
+    async def _act(
+        self, calls: list[ToolCall], errors: list[str], user_id: str, unrun: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Run the tool calls concurrently for ``user_id``; every problem becomes a tool-error message.
+
+        A call whose id is in ``unrun`` does not run: that text is its result (a rejected approval).
+        """
         results: list[dict[str, Any]] = [{}] * len(calls)
 
         async def one(i: int, call: ToolCall) -> None:
+            if unrun and call.id in unrun:
+                results[i] = {"role": "tool", "tool_call_id": call.id, "name": call.name,
+                              "content": unrun[call.id]}  # fmt: skip
+                return
             result = await self.tools.call(call.name, call.arguments, user=user_id)
             if self.metrics is not None:
                 self.metrics.tool_called(result.server or "unknown", result.is_error, call.name)
@@ -294,6 +402,14 @@ class Agent:
                 {"role": "tool", "tool_call_id": f"call_invalid_{n}", "name": "invalid", "content": f"error: {error}"}
             )
         return results
+
+
+def resumed_request(approval: Approval) -> TurnRequest:
+    """The request ``approval`` held, ready to go on (a new answer turn, the same request id)."""
+    state = approval.resume
+    params = SamplingParams(**{**state["params"], "stop": tuple(state["params"]["stop"])})
+    return TurnRequest(approval.user_id, approval.session_id, state["client_messages"], state["client_tools"],
+                       params, request_id=approval.request_id, tool_choice=state["tool_choice"])  # fmt: skip
 
 
 def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:

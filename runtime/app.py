@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import structlog
@@ -24,9 +24,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
+from whet.memory.bus import LESSON_DELETED
 from whet.memory.store import StoreFull, StoreUnavailable
 from whet.memory.tables import TurnPublic
-from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash
+from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, resumed_request
+from whet.runtime.approvals import DECISIONS, approval_view, expire_due
 from whet.runtime.chat import (
     choice_logprobs,
     completion_body,
@@ -45,6 +47,8 @@ from whet.runtime.middleware import (
 )
 from whet.runtime.policy import BackendError, SamplingParams
 from whet.runtime.schemas import (
+    ApprovalDecision,
+    ApprovalView,
     ChatCompletionRequest,
     ErrorBody,
     FeedbackAck,
@@ -121,6 +125,7 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     app.add_middleware(RequestTimer)
     _install_error_handlers(app)
     _install_routes(app)
+    _install_approval_routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _install_web_routes(app)
     return app
@@ -201,7 +206,8 @@ def _install_routes(app: FastAPI) -> None:
         request = await _turn_request(res, body, auth_user, x_whet_session)
         headers = {"X-Whet-Session": request.session_id, "X-Whet-Request": request.request_id}
         if body.stream:
-            stream = _stream(res, body, request)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _stream(res, request, res.agent.events(request), bool(body.logprobs), include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         started = time.perf_counter()
         try:
@@ -276,11 +282,15 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
+        """200 while serving; ``status`` "degraded" (with each reason in ``server_errors``) when a
+        tool server is not ready, so its tools are missing from answers."""
+        errors = res.tools.errors()
         return {
-            "status": "ok",
+            "status": "degraded" if errors else "ok",
             "model": res.model_name,
             "adapter": res.adapters.live_version(),
             "servers": res.tools.status(),
+            "server_errors": errors,
             "uptime_s": round(time.time() - res.started_at, 1),
             "learner": await res.learner.status() if res.learner else None,
         }
@@ -291,6 +301,66 @@ def _install_routes(app: FastAPI) -> None:
         steps = (await res.learner.status())["steps"] if res.learner else None
         res.metrics.learning(await res.store.learning_counts(), res.adapters.live_version(), steps)
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _install_approval_routes(app: FastAPI) -> None:
+    """Held steps (see ``whet.runtime.approvals``): list them, and decide one to continue its request."""
+
+    @app.get("/v1/approvals")
+    async def approvals(
+        res: ResourcesDep, auth_user: AuthDep, user: str | None = None,
+        status: Literal["pending", "approved", "rejected", "expired", "all"] = "pending",
+        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    ) -> list[ApprovalView]:  # fmt: skip
+        """The caller's approvals (an admin key: every user's, or ``user``'s), newest first."""
+        await expire_due(res.experience)
+        owner = user if is_admin(res, auth_user) else auth_user
+        rows = await res.store.list_approvals(owner, None if status == "all" else status, limit)
+        return [approval_view(row) for row in rows]
+
+    @app.get("/v1/approvals/{approval_id}")
+    async def approval(approval_id: str, res: ResourcesDep, auth_user: AuthDep) -> ApprovalView:
+        await expire_due(res.experience)
+        return approval_view(await _owned_approval(res, approval_id, auth_user))
+
+    @app.post("/v1/approvals/{approval_id}")
+    async def decide(approval_id: str, body: ApprovalDecision, res: ResourcesDep, auth_user: AuthDep) -> Response:
+        """Approve or reject; the answer is the held request's continuation, as a chat completion."""
+        _refuse_invalid_text(body)
+        await expire_due(res.experience)
+        found = await _owned_approval(res, approval_id, auth_user)
+        decided = await res.store.decide_approval(found.id, DECISIONS[body.decision], by=auth_user, reason=body.reason)
+        if decided is None:
+            now = await res.store.get_approval(found.id)
+            if now is None or now.status in ("expired", "pending"):
+                raise ApiError(410, f"approval '{found.id}' expired at {found.expires_at.isoformat(timespec='seconds')}; "
+                               "its calls did not run (ask again)", code="approval_expired", param="approval_id")  # fmt: skip
+            raise ApiError(409, f"approval '{found.id}' was already {now.status}", code="approval_decided",
+                           param="approval_id")  # fmt: skip
+        log.info("approval.decided", approval=decided.id, decision=decided.status, by=auth_user)
+        request = resumed_request(decided)
+        structlog.contextvars.bind_contextvars(session=request.session_id)
+        headers = {"X-Whet-Session": request.session_id, "X-Whet-Request": request.request_id}
+        events = res.agent.events(request, decided)
+        if body.stream:
+            return StreamingResponse(_stream(res, request, events, False, False), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        try:
+            result = await res.agent.run(request, decided)
+        except (ValueError, LookupError) as exc:
+            raise ApiError(400, str(exc), code="invalid_request") from None
+        await _remember_tip(res, request, result)
+        headers["X-Whet-Turn"] = result.turn.id
+        return JSONResponse(completion_body(result, res.model_name), headers=headers)
+
+
+async def _owned_approval(res: Resources, approval_id: str, auth_user: str | None):
+    """The approval, when the caller owns its turn or holds an admin key (else 404, as for turns)."""
+    found = await res.store.get_approval(approval_id)
+    if found is None or not (is_admin(res, auth_user) or found.user_id == auth_user):
+        raise ApiError(404, f"approval '{_echo(approval_id)}' not found", code="approval_not_found",
+                       param="approval_id")  # fmt: skip
+    return found
 
 
 def _echo(text: str, limit: int = 80) -> str:
@@ -348,6 +418,7 @@ def _install_web_routes(app: FastAPI) -> None:
         found = await res.store.get_session(session_id)
         if found is None or found.user_id != _page_user(res, auth_user, user):
             raise ApiError(404, f"session '{session_id}' not found", code="session_not_found", param="session_id")
+        await expire_due(res.experience)
         return await session_detail(res.store, session_id)
 
     @app.get("/v1/learning")
@@ -367,6 +438,7 @@ def _install_web_routes(app: FastAPI) -> None:
             raise ApiError(404, f"lesson {lesson_id} not found", code="lesson_not_found", param="lesson_id")
         await res.store.delete_lesson(lesson_id)
         res.index.remove(lesson_id)  # retrieval stops offering it with the very next request
+        await res.bus.publish(LESSON_DELETED, {"lesson_id": lesson_id})  # ...on every other replica too
         return Response(status_code=204)
 
 
@@ -432,7 +504,10 @@ async def _remember_tip(res: Resources, request: TurnRequest, result: AgentResul
     await res.store.set_session_tip(request.session_id, tip)
 
 
-async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequest) -> AsyncIterator[str]:
+async def _stream(
+    res: Resources, request: TurnRequest, agent_events: AsyncIterator[Delta | AgentResult], logprobs_asked: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     chunk_id = request.answer_turn_id  # one id for the whole stream: the turn that answers
     created = int(time.time())
     started = time.perf_counter()
@@ -446,7 +521,7 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
     opened = False
     try:
         # aclosing: however this stream ends, the agent's adapter lease ends with it
-        async with aclosing(res.agent.events(request)) as events:
+        async with aclosing(agent_events) as events:
             async for event in events:
                 if not opened:  # the first chunk names the role, under the id of the turn that speaks
                     opened = True
@@ -457,12 +532,12 @@ async def _stream(res: Resources, body: ChatCompletionRequest, request: TurnRequ
                 result: AgentResult = event
                 if result.client_tool_calls:
                     yield chunk({"tool_calls": stream_tool_calls(result.client_tool_calls)})
-                logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
+                logprobs = choice_logprobs(result.turn, res.backend) if logprobs_asked else None
                 yield chunk({}, result.finish_reason, logprobs, system_fingerprint=result.turn.policy_version)
-                if body.stream_options and body.stream_options.include_usage:
+                if include_usage:
                     yield chunk(None, usage=result.usage)
                 await _remember_tip(res, request, result)
-    except ValueError as exc:  # the backend refuses bad input (e.g. a prompt over the context)
+    except (ValueError, LookupError) as exc:  # bad input (a prompt over the context), a forgotten turn
         yield failed(str(exc), "invalid_request_error")
     except BackendError as exc:
         yield failed(f"the model backend failed: {exc}", "server_error")

@@ -1,4 +1,4 @@
-"""The ``whet`` command line: serve, learn, adapters, tools, turns, forget, chat, bench.
+"""The ``whet`` command line: serve, learn, adapters, tools, doctor, turns, forget, chat, bench.
 
 Config problems end with one line naming the key and the fix, exit code 2.
 """
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     _config_arg(tools)
     tools.add_argument("--json", action="store_true", help="print JSON instead of a table")
     tools.set_defaults(run=_tools)
+
+    doctor = sub.add_parser("doctor", help="check the config, MCP servers, store, bus, model and data directory; "
+                            "exit 0 only if all pass")  # fmt: skip
+    _config_arg(doctor)
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor.set_defaults(run=_doctor)
 
     turns = sub.add_parser("turns", help="show recorded turns from the experience store")
     _config_arg(turns)
@@ -284,14 +290,16 @@ def _tools(args: argparse.Namespace) -> int:
     config = _load(args)
     pool = configured_tool_pool(config)
 
-    async def listing() -> tuple[list[Any], dict[str, str]]:
+    async def listing() -> tuple[list[Any], dict[str, str], dict[str, str]]:
         async with pool:
-            return pool.tools(), pool.status()
+            return pool.tools(), pool.status(), pool.errors()
 
-    tools, status = anyio.run(listing)
+    tools, status, errors = anyio.run(listing)
     if args.json:
-        print(json.dumps([{"name": t.name, "server": t.server, "description": t.description} for t in tools], indent=2))
-        return 0
+        servers = {name: {"status": state, "error": errors.get(name)} for name, state in status.items()}
+        listed = [{"name": t.name, "server": t.server, "description": t.description} for t in tools]
+        print(json.dumps({"servers": servers, "tools": listed}, indent=2))
+        return 1 if errors else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -302,10 +310,25 @@ def _tools(args: argparse.Namespace) -> int:
         table.add_row(t.name, t.server, t.description.splitlines()[0] if t.description else "")
     console = Console()
     console.print(table)
-    for server, state in status.items():
-        if state != "ready":
-            console.print(f"[yellow]server {server}: {state}[/yellow]")
-    return 0
+    for server, why in errors.items():
+        console.print(f"[red]server {server}: {status[server]}: {why}[/red] (`whet doctor` says how to fix it)")
+    return 1 if errors else 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import anyio
+
+    from whet.config.settings import LogConfig
+    from whet.runtime.doctor import print_report, run_checks
+    from whet.runtime.logs import configure_logging
+
+    configure_logging(LogConfig(level="error"))  # the report says what failed; log lines would bury it
+    checks = anyio.run(run_checks, args.config)
+    if args.json:
+        print(json.dumps([check.public() for check in checks], indent=2))
+    else:
+        print_report(checks)
+    return 0 if all(check.ok for check in checks) else 1
 
 
 def _turns(args: argparse.Namespace) -> int:

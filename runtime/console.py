@@ -2,7 +2,8 @@
 
 Streams each answer as it is written, rates the last one with ``+`` / ``-`` (``POST
 /v1/feedback``), and turns every failure (no server, a missing key, an error in the stream,
-a server that goes away) into one line that says what happened, never a traceback.
+a server that goes away) into one line that says what happened, never a traceback. A tool
+call held for approval is asked about at the prompt (y / n and a reason) and the answer goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from whet.runtime.approvals import APPROVAL_TOOL
 
 Reader = Callable[[str], str]
 
@@ -70,7 +73,7 @@ def _loop(client: httpx.Client, model: str, read: Reader) -> int:
             continue
         messages.append({"role": "user", "content": line})
         headers = {"X-Whet-Session": session} if session else {}
-        reply, turn, session = _stream_reply(client, model, messages, headers)
+        reply, turn, session = _stream_reply(client, model, messages, headers, read)
         if turn is None:  # the request failed: it is not part of the conversation
             messages.pop()
             continue
@@ -89,33 +92,73 @@ def _rate(client: httpx.Client, turn_id: str | None, up: bool) -> None:
         print(f"[feedback not recorded: {response.status_code} {_message(response)}]")
 
 
-def _stream_reply(client: httpx.Client, model: str, messages: list[dict[str, Any]], headers: dict[str, str]):
-    """(reply text, answering turn id or None when it failed, session id)."""
+def _stream_reply(client: httpx.Client, model: str, messages: list[dict[str, Any]], headers: dict[str, str],
+                  read: Reader):  # fmt: skip
+    """(reply text, answering turn id or None when it failed, session id).
+
+    A step held for approval (a ``whet_approval`` call) asks at the prompt and streams the rest
+    of the answer once decided.
+    """
     body = {"model": model, "messages": messages, "stream": True}
-    parts: list[str] = []
-    turn_id, failed = None, False
     print("whet> ", end="", flush=True)
     with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-        if response.status_code >= 400:
-            response.read()
-            print(f"[error {response.status_code}: {_message(response)}]")
-            return "", None, headers.get("X-Whet-Session")
-        session = response.headers.get("x-whet-session")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                failed = True
-                print(f"\n[error: {chunk['error'].get('message', 'the server reported an error')}]", end="")
-                continue
-            turn_id = chunk.get("id", turn_id)
-            for choice in chunk.get("choices", []):
-                text = choice["delta"].get("content") or ""
-                parts.append(text)
-                print(text, end="", flush=True)
+        text, turn_id, approval = _read_stream(response)
+        session = response.headers.get("x-whet-session") or headers.get("X-Whet-Session")
+    while approval is not None and turn_id is not None:
+        decision = _ask(approval, read)
+        path = f"/v1/approvals/{approval['approval_id']}"
+        with client.stream("POST", path, json={**decision, "stream": True}) as response:
+            more, turn_id, approval = _read_stream(response)
+        text += more
     print()
-    return "".join(parts), None if failed else turn_id, session
+    return text, turn_id, session
+
+
+def _read_stream(response: httpx.Response) -> tuple[str, str | None, dict[str, Any] | None]:
+    """(text, turn id or None when it failed, a pending approval's arguments or None)."""
+    if response.status_code >= 400:
+        response.read()
+        print(f"[error {response.status_code}: {_message(response)}]", end="")
+        return "", None, None
+    parts: list[str] = []
+    turn_id, failed, approval = None, False, None
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("error"):
+            failed = True
+            print(f"\n[error: {chunk['error'].get('message', 'the server reported an error')}]", end="")
+            continue
+        turn_id = chunk.get("id", turn_id)
+        for choice in chunk.get("choices", []):
+            text = choice["delta"].get("content") or ""
+            parts.append(text)
+            print(text, end="", flush=True)
+            for call in choice["delta"].get("tool_calls") or []:
+                if call["function"]["name"] == APPROVAL_TOOL:
+                    approval = json.loads(call["function"]["arguments"])
+    return "".join(parts), None if failed else turn_id, approval
+
+
+def _ask(approval: dict[str, Any], read: Reader) -> dict[str, Any]:
+    """The person's decision on a held step: y approves; n (and an optional reason) rejects."""
+    print()
+    for call in approval["calls"]:
+        print(f"[approval needed] {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
+    while True:
+        try:
+            answer = read("approve? y / n [reason]> ").strip()
+        except EOFError:
+            answer = "n"
+        word, _, reason = answer.partition(" ")
+        if word.lower() in ("y", "yes"):
+            print("whet> ", end="", flush=True)
+            return {"decision": "approve"}
+        if word.lower() in ("n", "no"):
+            print("whet> ", end="", flush=True)
+            return {"decision": "reject", "reason": reason.strip() or None}
+        print("(answer y to approve, or n and an optional reason to reject)")
 
 
 def _message(response: httpx.Response) -> str:

@@ -2,7 +2,7 @@
 
 Two paths lead to the same state. Bus events are the fast path:
 ``adapter.published`` goes to the adapter router, ``lesson.added`` into the
-lesson index. A poll of the store every ``learner.poll_s`` seconds is the sure
+lesson index, ``lesson.deleted`` out of it. A poll of the store every ``learner.poll_s`` seconds is the sure
 path: a learner on another machine, an MQTT message lost while this process
 was away, or an event that never came still arrive within one period. Both
 paths are idempotent, so an event delivered twice, or a poll that finds what
@@ -19,7 +19,15 @@ from typing import Any
 import anyio
 import structlog
 
-from whet.memory.bus import ADAPTER_PUBLISHED, BUS_RECONNECTED, LESSON_ADDED, USER_FORGOTTEN, Bus, Event
+from whet.memory.bus import (
+    ADAPTER_PUBLISHED,
+    BUS_RECONNECTED,
+    LESSON_ADDED,
+    LESSON_DELETED,
+    USER_FORGOTTEN,
+    Bus,
+    Event,
+)
 from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.runtime.adapters import AdapterRouter
@@ -92,6 +100,7 @@ class Follower:
             log.exception("follower.reconcile_failed")
         try:
             await self._index_new_lessons()
+            await self._drop_deleted_lessons()
         except Exception:
             log.exception("follower.lessons_failed")
         self._notify()
@@ -99,7 +108,8 @@ class Follower:
     # -- the task ---------------------------------------------------------------
 
     async def _run(self, ready: asyncio.Future[None]) -> None:
-        async with self.bus.subscribe(ADAPTER_PUBLISHED, LESSON_ADDED, USER_FORGOTTEN, BUS_RECONNECTED) as events:
+        names = (ADAPTER_PUBLISHED, LESSON_ADDED, LESSON_DELETED, USER_FORGOTTEN, BUS_RECONNECTED)
+        async with self.bus.subscribe(*names) as events:
             await self.catch_up()
             ready.set_result(None)
             # when the bus closes (shutdown) the events end; the poll goes on until cancelled
@@ -119,6 +129,8 @@ class Follower:
                 await self.adapters.apply(event.data)
             elif event.name == LESSON_ADDED:
                 await self._index_lesson(event.data)
+            elif event.name == LESSON_DELETED:  # deleted through another replica: stop offering it here too
+                await anyio.to_thread.run_sync(self.index.remove, int(event.data["lesson_id"]))
             elif event.name == BUS_RECONNECTED:  # what was published while the link was down may not come
                 await self.catch_up()
             elif event.name == USER_FORGOTTEN:  # the store has forgotten them already; so must this replica
@@ -143,6 +155,17 @@ class Follower:
         if items:
             await anyio.to_thread.run_sync(self.index.add_many, items)
             self.lesson_cursor = max(self.lesson_cursor, max(i for i, _, _ in items))
+
+    async def _drop_deleted_lessons(self) -> None:
+        """Drop indexed lessons the store no longer has (a missed ``lesson.deleted`` or ``user.forgotten``)."""
+        # the index is read first: whatever it held then was committed before the store is read,
+        # so a lesson missing from the store now was deleted (one indexed meanwhile is not looked at)
+        indexed = await anyio.to_thread.run_sync(self.index.ids)
+        if not indexed or await self.store.count_lessons(up_to=max(indexed)) == len(indexed):
+            return  # the usual case, found without reading every id: the store has as many as the index
+        gone = indexed - await self.store.lesson_ids()
+        if gone:
+            await anyio.to_thread.run_sync(self.index.remove_many, gone)
 
     def _notify(self) -> None:
         self._progress.set()

@@ -12,7 +12,7 @@ from whet.config.settings import LogConfig
 
 def configure_logging(config: LogConfig) -> None:
     level = getattr(logging, config.level.upper())
-    renderer = structlog.processors.JSONRenderer() if config.json_logs else structlog.dev.ConsoleRenderer()
+    renderer = structlog.processors.JSONRenderer() if config.is_json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

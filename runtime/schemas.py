@@ -321,6 +321,7 @@ class ToolStep(BaseModel):
     arguments: str
     result: str | None  # None: not run here (a client-side tool) or not answered yet
     is_error: bool = False
+    waiting: bool = False  # held until a person approves (the exchange's ``approval``)
 
 
 class Exchange(BaseModel):
@@ -335,6 +336,7 @@ class Exchange(BaseModel):
     created_at: datetime
     feedback: list[dict[str, Any]]  # {"score", "text"} in the order given
     verdict: dict[str, Any] | None  # the learner's {"score", "hint", "reason"} once judged
+    approval: ApprovalView | None = None  # a pending approval holding this request's last step
 
 
 class SessionDetail(BaseModel):
@@ -384,3 +386,34 @@ class LearningView(BaseModel):
     adapters: list[AdapterView]  # oldest first
     judgments: list[JudgedTurn]  # newest first
     lessons: list[LessonView]  # oldest first
+
+
+class ApprovalDecision(BaseModel):
+    """``POST /v1/approvals/{id}``: a person's decision on a held step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    decision: Literal["approve", "reject"]
+    reason: str | None = Field(None, max_length=2000)  # a rejection's reason reaches the model and the learner
+    stream: bool = False  # the continued answer as SSE chunks, as /v1/chat/completions streams
+
+
+class ApprovalCallView(BaseModel):
+    name: str
+    arguments: Any  # the parsed arguments (the raw text when they are not JSON)
+
+
+class ApprovalView(BaseModel):
+    """A held step as the API shows it."""
+
+    id: str
+    status: Literal["pending", "approved", "rejected", "expired"]
+    user_id: str
+    session_id: str
+    turn_id: str
+    calls: list[ApprovalCallView]
+    reason: str | None
+    decided_by: str | None
+    created_at: datetime
+    expires_at: datetime
+    decided_at: datetime | None

@@ -29,6 +29,7 @@ from whet.memory.index import Embedder, LessonIndex, open_embedder
 from whet.memory.store import Store, open_store
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.agent import Agent
+from whet.runtime.approvals import ApprovalPolicy
 from whet.runtime.backends import create_backend
 from whet.runtime.follower import Follower
 from whet.runtime.metrics import Metrics
@@ -127,7 +128,8 @@ async def open_resources(
             await stack.enter_async_context(_background("whet-learner", learner.run))
         metrics = Metrics()
         experience = Experience(store, bus)
-        agent = Agent(backend, tools, experience, index, config.agent, metrics, adapters=adapters)
+        agent = Agent(backend, tools, experience, index, config.agent, metrics, adapters=adapters,
+                      approvals=ApprovalPolicy.from_config(config.mcp))  # fmt: skip
         log.info(
             "whet ready", model=config.model.name, tools=len(tools.tools()), lessons=len(index),
             adapter=adapters.live_version(),

@@ -177,9 +177,18 @@ class ToolPool:
             return {name: "starting" for _, name, _ in self._servers}
         return {link.name: link.status for link in self._links}
 
+    def errors(self) -> dict[str, str]:
+        """Server name -> why it is not ready (its last failure), for servers that are not ready."""
+        return {link.name: link.error or link.status for link in self._links if link.status != "ready"}
+
     def tools(self) -> list[ToolInfo]:
         """The tools of the servers that are ready now, filtered and uniquely named."""
         return [info for info, link in self._index.values() if link.status == "ready"]
+
+    def info(self, name: str) -> ToolInfo | None:
+        """The tool the model knows as ``name`` (ready or not); None for a name no server offers."""
+        entry = self._index.get(name)
+        return entry[0] if entry else None
 
     def openai_tools(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI function specs for the ready tools (only ``names``, in pool order, when given)."""

@@ -12,7 +12,8 @@ from itertools import groupby
 from typing import Any
 
 from whet.memory.store import Store
-from whet.memory.tables import Adapter, Judgment, Turn
+from whet.memory.tables import Adapter, Approval, Judgment, Turn
+from whet.runtime.approvals import approval_view
 from whet.runtime.chat import new_session_messages
 from whet.runtime.chat_format import parse_tool_calls
 from whet.runtime.schemas import (
@@ -45,9 +46,10 @@ async def session_list(store: Store, user_id: str, limit: int) -> list[SessionSu
 async def session_detail(store: Store, session_id: str) -> SessionDetail:
     turns = sorted(await store.list_turns(session_id=session_id, limit=SESSION_TURNS),
                    key=lambda t: (t.created_at, t.step))  # fmt: skip
+    pending = {a.turn_id: a for a in await store.list_approvals(status="pending", session_id=session_id)}
     exchanges = []
     for request_id, group in groupby(turns, key=lambda t: t.request_id):
-        exchanges.append(await _exchange(store, request_id, list(group)))
+        exchanges.append(await _exchange(store, request_id, list(group), pending))
     messages: list[dict[str, Any]] = []
     for exchange in exchanges:
         if exchange.user is not None:
@@ -56,8 +58,10 @@ async def session_detail(store: Store, session_id: str) -> SessionDetail:
     return SessionDetail(id=session_id, exchanges=exchanges, messages=messages)
 
 
-async def _exchange(store: Store, request_id: str, steps: list[Turn]) -> Exchange:
+async def _exchange(store: Store, request_id: str, steps: list[Turn], pending: dict[str, Approval]) -> Exchange:
     tools, texts = [], []
+    approval = pending.get(steps[-1].id)
+    held = {c["id"] for c in approval.calls} if approval else set()
     for turn in steps:
         content, _, _ = parse_tool_calls(turn.response_text)
         if content:
@@ -68,7 +72,8 @@ async def _exchange(store: Store, request_id: str, steps: list[Turn]) -> Exchang
         for call in turn.tool_calls:
             result = results.get(call["id"])
             tools.append(ToolStep(name=call["function"]["name"], arguments=call["function"].get("arguments", "{}"),
-                                  result=result, is_error=bool(result and result.startswith("error:"))))  # fmt: skip
+                                  result=result, is_error=bool(result and result.startswith("error:")),
+                                  waiting=call["id"] in held))  # fmt: skip
     answer = steps[-1]
     feedback = [{"score": f.score, "text": f.text} for f in await store.list_feedback(answer.id)]
     judgment = await store.get_judgment(answer.id)
@@ -76,7 +81,7 @@ async def _exchange(store: Store, request_id: str, steps: list[Turn]) -> Exchang
     return Exchange(
         request_id=request_id, user=_user_text(steps[0]), tools=tools, answer="\n\n".join(texts),
         turn_id=answer.id, policy_version=answer.policy_version, created_at=steps[0].created_at,
-        feedback=feedback, verdict=verdict,
+        feedback=feedback, verdict=verdict, approval=approval_view(approval) if approval else None,
     )
 
 

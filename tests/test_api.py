@@ -12,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from whet.config.settings import load_config
+from whet.config.settings import AgentConfig, load_config
 from whet.memory.index import HashingEmbedder
 from whet.memory.store import StoreFull, StoreUnavailable
 from whet.runtime.app import create_app
@@ -212,6 +212,7 @@ async def test_models_tools_health_and_metrics_describe_the_service(tmp_path):
         assert tools["calculate"]["annotations"].get("readOnlyHint") is True
         health = (await client.get("/health")).json()
         assert health["status"] == "ok" and set(health["servers"]) == {"calc", "clock", "notes"}
+        assert health["server_errors"] == {}
         await client.post("/v1/chat/completions", json=chat_body("17*23"))
         metrics = (await client.get("/metrics")).text
         assert 'whet_turns_total{policy_version="base"} 2.0' in metrics
@@ -219,15 +220,19 @@ async def test_models_tools_health_and_metrics_describe_the_service(tmp_path):
 
 
 async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path):
-    backend = ScriptedBackend(["noted", "noted"])
+    backend = ScriptedBackend(["noted", "noted", "a joke"])
     async with serve(tmp_path, backend) as (client, res):
         lesson = await res.store.add_lesson("alice", "When alice says home she means Lisbon time.")
         res.index.add(lesson.id, "alice", lesson.text)
         await client.post("/v1/chat/completions", json=chat_body("what time is it at home?", user="alice"))
         await client.post("/v1/chat/completions", json=chat_body("what time is it at home?", user="bob"))
+        await client.post("/v1/chat/completions", json=chat_body("Tell me a joke about penguins.", user="alice"))
+        unrelated = res.index.search("alice", "Tell me a joke about penguins.", 1)[0].score
     alice_system = backend.calls[0].messages[0]["content"]
     bob_system = backend.calls[1].messages[0]["content"]
     assert "Lisbon time" in alice_system and "Lisbon time" not in bob_system
+    # a lesson that does not read like the request stays out (agent.lessons_min_score)
+    assert unrelated < AgentConfig().lessons_min_score and "Lisbon time" not in backend.calls[2].messages[0]["content"]
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +300,23 @@ async def test_a_long_tool_list_is_narrowed_to_the_tools_relevant_to_the_request
         await client.post("/v1/chat/completions", json=chat_body("please convert 5 km to miles"))
     shown = [t["function"]["name"] for t in backend.calls[0].tools]
     assert len(shown) == 3 and "convert" in shown
+
+
+async def test_health_is_degraded_and_names_the_reason_when_a_tool_server_failed(tmp_path):
+    from whet.config.mcp import McpServerSpec, StdioTransport
+    from whet.memory.index import HashingEmbedder
+
+    broken = McpServerSpec(name="broken", transport=StdioTransport(command="/nonexistent/whet-server"))
+    tools = ToolPool([broken], in_memory={"calc": calc.build_server()}, start_timeout=10)
+    app = create_app(make_config(tmp_path), backend=ScriptedBackend(["hi"]), tools=tools, embedder=HashingEmbedder())
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://whet") as client:
+            response = await client.get("/health")
+    assert response.status_code == 200  # still serving, with calc's tools
+    health = response.json()
+    assert health["status"] == "degraded"
+    assert health["servers"] == {"broken": "failed", "calc": "ready"}
+    assert list(health["server_errors"]) == ["broken"] and "FileNotFoundError" in health["server_errors"]["broken"]
 
 
 @pytest.mark.parametrize(("failure", "status", "code"), [(StoreUnavailable, 503, "store_unavailable"),

@@ -47,14 +47,27 @@ def require_browser():
 def policy_app() -> Starlette:
     """Asked for arithmetic it calls the bundled calculator, then reads the result; else it greets."""
 
+    def call(name: str, arguments: dict) -> list[dict]:
+        return [{"id": "call_1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]
+
     def reply(messages: list[dict]) -> tuple[str, list[dict]]:
         last = messages[-1]
         if last["role"] == "tool":
-            return f"17 times 23 is {json.loads(last['content'])['text']}.", []
-        if "17*23" in (last.get("content") or ""):
-            call = {"id": "call_1", "type": "function",
-                    "function": {"name": "calculate", "arguments": json.dumps({"expression": "17*23"})}}
-            return "Let me calculate that.", [call]
+            if last["content"].startswith("error: the user rejected"):
+                return "All right, I kept the note.", []
+            result = json.loads(last["content"])
+            if "deleted" in result:
+                return f"Deleted “{result['deleted']['text']}”.", []
+            if "id" in result:
+                return f"Saved as note {result['id']}.", []
+            return f"17 times 23 is {result['text']}.", []
+        asked = last.get("content") or ""
+        if "17*23" in asked:
+            return "Let me calculate that.", call("calculate", {"expression": "17*23"})
+        if asked.startswith("remember "):
+            return "Noting it.", call("add_note", {"text": asked.removeprefix("remember ")})
+        if asked.startswith("delete note "):
+            return "I will delete it.", call("delete_note", {"note_id": int(asked.split()[-1])})
         return "Hello! Ask me to calculate something.", []
 
     async def completions(request: Request):
@@ -142,3 +155,61 @@ def drive(page, base: str, shots: Path) -> None:
 
     lesson.locator("button").click()
     expect(lesson).to_have_count(0)
+
+
+def test_a_person_approves_a_destructive_tool_call_on_the_page_and_the_answer_goes_on(tmp_path):
+    sync_playwright = require_browser()
+    shots = tmp_path / "screens"
+    shots.mkdir()
+    with run_in_thread(policy_app()) as policy_url:
+        config = {"model": {"backend": "openai", "id": "policy", "base_url": policy_url},
+                  "server": {"api_keys": {KEY: "tester"}}, "learner": {"enabled": False}}
+        with whet_serve(tmp_path, config) as base, sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            try:
+                approve_on_page(page, base, shots)
+            finally:
+                page.screenshot(path=str(shots / "approval-last.png"))
+                browser.close()
+            auth = {"Authorization": f"Bearer {KEY}"}
+            decided = httpx.get(f"{base}/v1/approvals?status=all", headers=auth).json()
+            assert [(a["status"], a["calls"][0]["name"], a["decided_by"]) for a in decided] == [
+                ("approved", "delete_note", "tester")]
+    keep = os.environ.get("WHET_SCREENSHOTS")
+    if keep:
+        shutil.copytree(shots, keep, dirs_exist_ok=True)
+
+
+def approve_on_page(page, base: str, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(base)
+    page.fill("#key-input", KEY)
+    page.click("#key-save")
+    expect(page.locator("#model-name")).to_have_text("policy")
+
+    page.fill("#prompt", "remember buy milk")
+    page.keyboard.press("Enter")
+    saved = page.locator(".msg.assistant").last
+    expect(saved.locator(".bubble")).to_have_text("Noting it. Saved as note 1.", timeout=30_000)
+
+    expect(page.locator("#send")).to_be_enabled()  # the first answer is done
+    page.fill("#prompt", "delete note 1")
+    page.keyboard.press("Enter")
+    answer = page.locator(".msg.assistant").last
+    box = answer.locator(".approval")
+    expect(box).to_contain_text("needs your approval", timeout=30_000)
+    expect(box).to_contain_text("delete_note")
+    expect(box).to_contain_text('{"note_id":1}')
+    expect(answer.locator(".bubble")).to_have_text("I will delete it.")
+    expect(answer.locator(".tool")).to_contain_text("waiting for approval")
+    expect(answer.locator("[data-action=up]")).to_have_count(0)  # nothing to rate before the decision
+    page.screenshot(path=str(shots / "approval-pending.png"))
+
+    box.locator("[data-action=approve]").click()
+    expect(answer.locator(".bubble")).to_have_text("I will delete it. Deleted “buy milk”.", timeout=30_000)
+    expect(box).to_contain_text("approved")
+    expect(answer.locator(".tool")).to_contain_text("buy milk")  # the call ran: its result is shown
+    expect(answer.locator("[data-action=up]")).to_have_count(1)  # the continued answer can be rated
+    page.screenshot(path=str(shots / "approval-approved.png"))

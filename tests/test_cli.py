@@ -49,8 +49,27 @@ def test_whet_tools_lists_the_tools_of_the_configured_servers(tmp_path):
     mcp_file.write_text(json.dumps({"mcpServers": {"calc": {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}}}))
     done = whet("tools", "--json", "--config", str(write_config(tmp_path, mcp={"config": str(mcp_file)})))
     assert done.returncode == 0, done.stderr
-    listed = {t["name"]: t["server"] for t in json.loads(done.stdout)}
+    report = json.loads(done.stdout)
+    assert report["servers"] == {"calc": {"status": "ready", "error": None}}
+    listed = {t["name"]: t["server"] for t in report["tools"]}
     assert listed == {"calculate": "calc", "convert": "calc", "list_units": "calc"}
+
+
+def test_whet_tools_exits_non_zero_and_reports_each_server_that_failed(tmp_path):
+    servers = {"calc": {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]},
+               "missing": {"command": "/nonexistent/whet-no-such-server"}}  # fmt: skip
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": servers}))
+    config = str(write_config(tmp_path, mcp={"config": str(mcp_file)}))
+    done = whet("tools", "--json", "--config", config)
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert report["servers"]["calc"] == {"status": "ready", "error": None}
+    assert report["servers"]["missing"]["status"] == "failed"
+    assert "FileNotFoundError" in report["servers"]["missing"]["error"]
+    assert {t["server"] for t in report["tools"]} == {"calc"}
+    table = whet("tools", "--config", config)
+    assert table.returncode == 1 and "server missing: failed" in table.stdout and "whet doctor" in table.stdout
 
 
 def test_whet_tools_names_the_key_of_a_broken_mcp_file(tmp_path):

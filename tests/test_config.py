@@ -110,3 +110,41 @@ def test_an_admin_user_without_a_key_is_a_config_error_naming_the_key():
         load_config(overrides={"server": {"api_keys": {"sk-a": "alice"}, "admin_users": ["ops"]}})
     assert err.value.key == "server.admin_users" and "'ops'" in err.value.problem
     assert load_config(overrides={"server": {"api_keys": {"sk-o": "ops"}, "admin_users": ["ops"]}}).server.admin_users
+
+
+def test_an_env_variable_naming_an_unknown_section_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("WHET_SERVERR__PORT", "9000")
+    with pytest.raises(ConfigError) as err:
+        load_config()
+    assert err.value.key == "WHET_SERVERR__PORT" and "'serverr'" in str(err.value)
+    assert "server" in err.value.fix
+    monkeypatch.delenv("WHET_SERVERR__PORT")
+    monkeypatch.setenv("WHET_SCREENSHOTS", "/tmp/x")  # no section named: not whet config, left alone
+    assert load_config().server.port == 8000
+
+
+@pytest.mark.parametrize(("log", "is_json"), [({}, False), ({"format": "json"}, True), ({"json_logs": True}, True)])
+def test_log_format_json_writes_one_object_per_line_and_json_logs_still_means_it(log, is_json, capsys):
+    import structlog
+
+    from whet.runtime.logs import configure_logging
+
+    config = load_config(overrides={"log": log})
+    assert config.log.is_json is is_json
+    configure_logging(config.log)
+    structlog.contextvars.bind_contextvars(request_id="req_1")
+    try:
+        structlog.get_logger().info("hello", user="alice")
+    finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.reset_defaults()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    if is_json:
+        assert json.loads(line) | {"timestamp": None} == {
+            "event": "hello", "user": "alice", "request_id": "req_1", "level": "info", "timestamp": None}
+    else:
+        assert "hello" in line and "alice" in line and "req_1" in line
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(line)
+    with pytest.raises(ConfigError, match="log.format"):
+        load_config(overrides={"log": {"format": "xml"}})

@@ -100,3 +100,32 @@ def test_ctrl_c_ends_the_chat_without_a_traceback(capsys):
     transport, _ = server(lambda r: httpx.Response(200, content=sse(chunk("Hello"))))
     assert run_chat("http://whet", None, None, interrupted, transport) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def held(approval_id: str) -> dict:
+    arguments = {"approval_id": approval_id, "status": "pending", "expires_at": "2026-01-01T00:10:00+00:00",
+                 "calls": [{"name": "delete_note", "arguments": {"note_id": 1}}], "decide": f"/v1/approvals/{approval_id}"}
+    call = {"index": 0, "id": approval_id, "type": "function",
+            "function": {"name": "whet_approval", "arguments": json.dumps(arguments)}}
+    return {"id": "turn_1", "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}
+
+
+def test_a_held_tool_call_is_asked_about_and_the_answer_goes_on_after_the_decision(capsys):
+    def chat(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            return httpx.Response(200, content=sse(chunk("I will delete it. "), held("appr_1")),
+                                  headers={"x-whet-session": "s"})
+        decision = json.loads(request.content)
+        text = "Deleted." if decision["decision"] == "approve" else f"Kept it ({decision['reason']})."
+        return httpx.Response(200, content=sse({**chunk(text), "id": "turn_2"}))
+
+    transport, seen = server(chat)
+    assert run_chat("http://whet", None, None, lines("delete note 1", "maybe", "n keep it", "+"), transport) == 0
+    out = capsys.readouterr().out
+    assert '[approval needed] delete_note {"note_id": 1}' in out
+    assert "answer y to approve" in out  # "maybe" is asked again
+    assert "Kept it (keep it)." in out
+    [decided] = [r for r in seen if r.url.path == "/v1/approvals/appr_1"]
+    assert json.loads(decided.content) == {"decision": "reject", "reason": "keep it", "stream": True}
+    rated = json.loads(next(r for r in seen if r.url.path == "/v1/feedback").content)
+    assert rated["turn_id"] == "turn_2"  # the continued answer is the one rated

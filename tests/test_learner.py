@@ -451,3 +451,30 @@ async def test_a_correction_with_a_nul_byte_is_judged_and_kept_as_a_lesson_on_po
         await exercise_nul_correction(tmp_path, store)
     finally:
         await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_training_step_runs_on_learner_threads_while_a_serving_thread_keeps_its_own(
+    tiny_model, tmp_path, store
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    serving = ThreadPoolExecutor(1)  # stands in for the engine thread: it ran torch before training started
+    own = serving.submit(torch.get_num_threads).result()
+    configured = own + 2  # a count neither thread has by itself
+    seen: dict[str, int] = {}
+
+    def look(at: str) -> None:
+        if at == "before_step":
+            seen["training"] = torch.get_num_threads()
+            seen["serving"] = serving.submit(torch.get_num_threads).result()
+
+    config = learner_config(threads=configured)
+    learner = make_learner(config, store, MemoryBus(), tiny_model, tmp_path / "adapters", on_step=look)
+    encoder = new_trainer(tiny_model)
+    for i in range(4):
+        await judged_turn(store, encoder, QUESTIONS[i], GOOD if i % 2 else BAD, 1 if i % 2 else -1, "train")
+    assert await learner.train_ready()
+    assert seen == {"training": configured, "serving": own}
+    assert torch.get_num_threads() == serving.submit(torch.get_num_threads).result() == own  # restored after
+    serving.shutdown()

@@ -38,32 +38,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
-    port = free_port()
+def spawn_whet(tmp_path: Path, config: dict, *args: str, name: str = "serve") -> tuple[subprocess.Popen, Path]:
+    """Start ``whet <args> --config <tmp_path>/<name>.yaml`` with its output in ``<name>.log``; not waited on."""
     config = {"data_dir": str(tmp_path / "data"), "memory": {"embedder": "hashing"}, **config}
     # model.id tiny builds the untrained tiny model on first start (seconds)
     config["model"] = {"id": "tiny", **config.get("model", {})}
-    path = tmp_path / "whet.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = (tmp_path / "serve.log").open("w")
+    log_path = tmp_path / f"{name}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "whet.runtime.cli", "serve", "--config", str(path), "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
+    with log_path.open("w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "whet.runtime.cli", *args, "--config", str(path)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    return proc, log_path
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def whet_serve(tmp_path: Path, config: dict) -> Iterator[str]:
+    port = free_port()
+    proc, log_path = spawn_whet(tmp_path, config, "serve", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
     try:
         keys = list(config.get("server", {}).get("api_keys", {}))
-        wait_healthy(base, proc, tmp_path / "serve.log", headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
+        wait_healthy(base, proc, log_path, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop(proc)
 
 
 def wait_healthy(

@@ -184,7 +184,7 @@ async def test_forget_user_removes_everything_of_that_user_only(store):
 
     removed = await store.forget_user("alice")
 
-    assert removed == {"judgments": 0, "feedback": 1, "turns": 1, "lessons": 1, "sessions": 1, "adapters": 1, "users": 1}
+    assert removed == {"approvals": 0, "judgments": 0, "feedback": 1, "turns": 1, "lessons": 1, "sessions": 1, "adapters": 1, "users": 1}
     assert await store.list_turns(user_id="alice") == []
     assert await store.list_lessons("alice") == []
     assert [a.id for a in await store.list_adapters()] == ["user-bob-0001", "global-0001"]
@@ -287,5 +287,30 @@ async def test_text_with_nul_bytes_round_trips_on_postgresql(postgres_schema_url
     store = open_store(postgres_schema_url)
     try:
         await exercise_nul_round_trip(store)
+    finally:
+        await store.aclose()
+
+
+async def exercise_lesson_ids(store: Store) -> None:
+    """What a replica's follower compares its index against: the ids and a bounded count."""
+    first = await store.add_lesson("ida", "ida lives in Oslo")
+    second = await store.add_lesson("ida", "ida walks")
+    third = await store.add_lesson("jo", "jo reads")
+    assert await store.lesson_ids() == {first.id, second.id, third.id}
+    assert await store.delete_lesson(second.id)
+    assert await store.lesson_ids() == {first.id, third.id}
+    assert await store.count_lessons(up_to=second.id) == 1
+    assert await store.count_lessons(up_to=third.id) == 2
+
+
+async def test_lesson_ids_and_bounded_counts_on_sqlite(store):
+    await exercise_lesson_ids(store)
+
+
+@pytest.mark.loopback
+async def test_lesson_ids_and_bounded_counts_on_postgresql(postgres_schema_url):
+    store = open_store(postgres_schema_url)
+    try:
+        await exercise_lesson_ids(store)
     finally:
         await store.aclose()

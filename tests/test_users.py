@@ -37,6 +37,11 @@ async def test_bob_never_sees_alices_notes_through_the_agent_and_tool_pool(tmp_p
                           ("delete note 1", BOB), ("list my notes", ALICE)]:
             response = await client.post("/v1/chat/completions", json=chat_body(text), headers=who)
             assert response.status_code == 200, response.text
+            if response.json()["choices"][0]["finish_reason"] == "tool_calls":  # delete_note waits for approval
+                [held] = response.json()["choices"][0]["message"]["tool_calls"]
+                assert held["function"]["name"] == "whet_approval"
+                decided = await client.post(f"/v1/approvals/{held['id']}", json={"decision": "approve"}, headers=who)
+                assert decided.status_code == 200, decided.text
     assert "4711" in tool_outputs(backend.calls[1])  # alice's add answered with her note
     assert "4711" not in tool_outputs(backend.calls[3])  # bob's list
     assert "4711" not in tool_outputs(backend.calls[5])  # bob's search
@@ -130,6 +135,40 @@ async def test_a_replica_drops_a_forgotten_users_lessons_when_the_event_arrives(
         await res.bus.publish(USER_FORGOTTEN, {"user_id": "carol"})  # e.g. from `whet forget` on another machine
         with anyio.fail_after(10):
             await res.follower.wait_until(lambda: not res.index.search("carol", "Lisbon", 3))
+
+
+async def test_a_lesson_deleted_through_one_replica_leaves_every_replicas_index(tmp_path):
+    import anyio
+
+    from whet.memory.bus import LESSON_DELETED
+
+    async with serve(tmp_path, ScriptedBackend(["hi"]), learner={"enabled": False}) as (client, res):
+        lessons = []
+        for text in ("dana lives in Oslo", "dana walks to Oslo harbour", "dana flies from Oslo"):
+            lesson = await res.store.add_lesson("dana", text)
+            res.index.add(lesson.id, "dana", lesson.text)
+            lessons.append(lesson.id)
+
+        def offered() -> set[int]:
+            return {hit.lesson_id for hit in res.index.search("dana", "Oslo", 5)}
+
+        # deleted here: gone at once, and announced for the other replicas
+        async with res.bus.subscribe(LESSON_DELETED) as events:
+            response = await client.delete(f"/v1/lessons/{lessons[0]}", params={"user": "dana"})
+            assert response.status_code == 204
+            with anyio.fail_after(10):
+                event = await anext(aiter(events))
+        assert event.data == {"lesson_id": lessons[0]} and lessons[0] not in offered()
+        # deleted through another replica: the event takes it out of this one's index
+        await res.store.delete_lesson(lessons[1])
+        await res.bus.publish(LESSON_DELETED, {"lesson_id": lessons[1]})
+        with anyio.fail_after(10):
+            await res.follower.wait_until(lambda: lessons[1] not in offered())
+        # the event was missed (a replica away from the bus): the store poll takes it out
+        await res.store.delete_lesson(lessons[2])
+        assert lessons[2] in offered()
+        await res.follower.catch_up()
+        assert offered() == set()
 
 
 async def test_user_b_cannot_reach_user_a_through_turns_sessions_lessons_or_adapters(tmp_path):

@@ -141,11 +141,17 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
     "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
     "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
 }
-KINDS = {"general": 0.37, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.03,
-         "error": 0.03, "chat": 0.13}
+KINDS = {"general": 0.36, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.05,
+         "error": 0.03, "chat": 0.12}
 # what a request's value turns into when the model writes it wrong: the tool refuses it
 BAD_VALUES = ("home", "my place", "here", "local", "the usual", "there", "my list", "?")
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
+# what a person says after a good answer: thanks, or only that they read it; neither asks for
+# anything, so the answer is a word back, never the last action again
+ACKNOWLEDGEMENTS = ("Thanks!", "Great, thanks.", "Thank you!", "Thanks a lot.", "Cheers!", "Perfect.", "Nice, thanks.",
+                    "Ok.", "Okay.", "OK, got it.", "Got it.", "Cool.", "Alright.", "Good to know.", "Sounds good.",
+                    "Makes sense.", "That's right, thanks.", "Yes, that's it.", "Great.", "Fine.")
+ACK_REPLIES = ("Glad to help.", "Any time!", "Let me know if you need anything else.", "Happy to help.")
 
 
 @dataclass
@@ -322,8 +328,10 @@ class ExampleMaker:
             messages.append({"role": "user", "content": task.correction})
         elif kind == "thanks":
             messages.append({"role": "assistant", "content": self._solve(task)[-1]["content"]})
-            messages.append({"role": "user", "content": self.rng.choice(("Thanks!", "Great, thanks.", "Thank you!"))})
-            messages.append({"role": "assistant", "content": self.rng.choice(THANKS_REPLIES)})
+            ack = self.rng.choice(ACKNOWLEDGEMENTS)
+            messages.append({"role": "user", "content": ack})
+            replies = THANKS_REPLIES if "thank" in ack.lower() or "cheers" in ack.lower() else ACK_REPLIES
+            messages.append({"role": "assistant", "content": self.rng.choice(replies)})
             return Example(kind, messages, self.tools.specs)
         elif kind == "error":
             # the call went wrong and the tool said so: the answer says it plainly, never echoes

@@ -145,7 +145,7 @@ function assistantMessage() {
 function toolStep(step) {
   let args = step.arguments;
   try { args = JSON.stringify(JSON.parse(step.arguments)); } catch { /* shown as sent */ }
-  let result = step.result === null ? "(run by the client)" : step.result;
+  let result = step.result === null ? (step.waiting ? "(waiting for approval)" : "(run by the client)") : step.result;
   try { result = JSON.stringify(JSON.parse(result)); } catch { /* plain text result */ }
   return el("div", { class: `tool${step.is_error ? " error" : ""}` },
     el("span", { class: "name" }, `🔧 ${step.name}`), " ", el("span", { class: "args" }, args),
@@ -155,7 +155,12 @@ function toolStep(step) {
 function showExchange(view, exchange) {
   view.tools.replaceChildren(...exchange.tools.map(toolStep));
   view.bubble.classList.remove("streaming");
-  view.bubble.textContent = exchange.answer || "(no text)";
+  view.bubble.textContent = exchange.answer || (exchange.approval ? "" : "(no text)");
+  if (exchange.approval) {
+    const messages = state.messages.slice(0, -1);  // the held answer is the last message
+    view.foot.before(approvalBox(view, exchange.approval, (next) => answered(view, messages, next)));
+    return;
+  }
   feedbackBar(view, exchange.turn_id, exchange.policy_version, exchange.feedback, exchange.verdict);
 }
 
@@ -212,9 +217,8 @@ async function send(text) {
   const messages = [...state.messages, { role: "user", content: text }];
   try {
     const reply = await streamReply(messages, view, box);
-    state.messages = [...messages, { role: "assistant", content: reply.text }];
     if (reply.session) state.session = reply.session;
-    if (reply.turnId) await afterReply(view, reply);
+    await answered(view, messages, reply);
   } catch (error) {
     view.bubble.classList.remove("streaming");
     view.bubble.append(el("span", { class: "err" }, `error: ${error.message}`));
@@ -231,9 +235,16 @@ async function streamReply(messages, view, box) {
     method: "POST", headers: headers(extra),
     body: JSON.stringify({ model: state.model, messages, stream: true }),
   });
+  return readStream(response, view, box, "");
+}
+
+// reads an SSE answer into `view`; `text` is what the answer said before (a held step's continuation)
+async function readStream(response, view, box, text) {
   if (response.status === 401) { askKey("That key was not accepted."); throw new ApiError(401, "API key needed"); }
   if (!response.ok) throw new ApiError(response.status, await errorText(response));
-  const reply = { text: "", turnId: null, version: null, failed: false, session: response.headers.get("X-Whet-Session") };
+  view.bubble.classList.add("streaming");
+  const reply = { text, turnId: null, version: null, failed: false, approval: null,
+                  session: response.headers.get("X-Whet-Session") };
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -258,6 +269,9 @@ async function streamReply(messages, view, box) {
         const piece = choice.delta.content || "";
         reply.text += piece;
         view.bubble.append(piece);
+        for (const call of choice.delta.tool_calls || []) {
+          if (call.function.name === APPROVAL_TOOL) reply.approval = JSON.parse(call.function.arguments);
+        }
       }
       box.scrollTop = box.scrollHeight;
     }
@@ -267,21 +281,82 @@ async function streamReply(messages, view, box) {
   return reply;
 }
 
-async function afterReply(view, reply) {
-  // the stream carries what was said; the tool steps behind it come from the recorded turns
-  feedbackBar(view, reply.turnId, reply.version);
+// ------------------------------------------------------------------ approvals
+
+const APPROVAL_TOOL = "whet_approval";
+
+// a held step: the calls that wait, with Approve / Reject; deciding continues the answer in `view`
+function approvalBox(view, approval, onAnswer) {
+  const reason = el("input", { placeholder: "Why not? (optional, the model reads it)", "aria-label": "rejection reason" });
+  const status = el("div", { class: "small muted" }, `waiting for your decision · expires ${when(approval.expires_at)}`);
+  const calls = approval.calls.map((call) => el("div", { class: "call" },
+    el("span", { class: "name" }, `🔧 ${call.name}`), " ",
+    el("span", { class: "args" }, typeof call.arguments === "string" ? call.arguments : JSON.stringify(call.arguments))));
+  const approve = el("button", { class: "primary", "data-action": "approve" }, "Approve");
+  const reject = el("button", { class: "danger", "data-action": "reject" }, "Reject");
+  const title = el("div", { class: "title" }, "⚠ This action needs your approval");
+  const row = el("div", { class: "row" }, approve, reject, reason);
+  const box = el("div", { class: "approval", "data-approval": approval.approval_id || approval.id },
+    title, ...calls, row, status);
+  const decide = async (decision) => {
+    approve.disabled = reject.disabled = true;
+    status.textContent = decision === "approve" ? "approved: running…" : "rejected: telling the model…";
+    try {
+      const response = await fetch(`/v1/approvals/${encodeURIComponent(box.dataset.approval)}`, {
+        method: "POST", headers: headers({ "Content-Type": "application/json" }),
+        body: JSON.stringify({ decision, reason: reason.value.trim() || null, stream: true }),
+      });
+      if (!response.ok) throw new ApiError(response.status, await errorText(response));
+      const why = reason.value.trim();
+      box.classList.add(decision === "approve" ? "approved" : "rejected");
+      title.textContent = decision === "approve" ? "✓ You approved this action" : "✗ You rejected this action";
+      row.remove();
+      status.textContent = decision === "approve" ? "approved: it ran" : `rejected${why ? `: “${why}”` : ""}: it did not run`;
+      const reply = await readStream(response, view, document.getElementById("messages"), view.bubble.textContent);
+      await onAnswer(reply);
+    } catch (error) {
+      status.textContent = `not decided: ${error.message}`;
+      status.className = "small error";
+      approve.disabled = reject.disabled = error.status === 409 || error.status === 410;  // decided, or too late
+    }
+  };
+  approve.addEventListener("click", () => decide("approve"));
+  reject.addEventListener("click", () => decide("reject"));
+  return box;
+}
+
+// an answer is in: a held step shows its approval box (the answer goes on once decided), else the foot
+async function answered(view, messages, reply) {
+  state.messages = [...messages, { role: "assistant", content: reply.text }];
+  if (reply.approval) {
+    view.foot.replaceChildren();
+    view.foot.before(approvalBox(view, reply.approval, (next) => answered(view, messages, next)));
+    await refreshTools(view, reply.turnId);
+    return;
+  }
+  if (reply.turnId) await afterReply(view, reply);
+}
+
+async function refreshTools(view, turnId) {
   try {
     const detail = await api(`/v1/sessions/${encodeURIComponent(state.session)}`);
-    const exchange = detail.exchanges.find((e) => e.turn_id === reply.turnId);
+    const exchange = detail.exchanges.find((e) => e.turn_id === turnId);
     if (exchange) view.tools.replaceChildren(...exchange.tools.map(toolStep));
     await loadSessions();
   } catch { /* the answer stands; its tool steps show when the session is reopened */ }
+}
+
+async function afterReply(view, reply) {
+  // the stream carries what was said; the tool steps behind it come from the recorded turns
+  feedbackBar(view, reply.turnId, reply.version);
+  await refreshTools(view, reply.turnId);
 }
 
 function setupChat() {
   const prompt = document.getElementById("prompt");
   document.getElementById("composer").addEventListener("submit", (event) => {
     event.preventDefault();
+    if (state.busy) return;  // the text stays in the box until the answer before it is done
     const text = prompt.value;
     prompt.value = "";
     send(text);
