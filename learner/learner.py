@@ -61,7 +61,7 @@ from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import LoraTrainer, Sample, limited_threads, training_threads
-from whet.memory.bus import FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
+from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
 from whet.memory.store import Store
 from whet.memory.tables import Adapter, Judgment, Turn
 
@@ -125,11 +125,13 @@ class Learner:
         """Run until cancelled: events are the fast path, a periodic store catch-up the safety net.
 
         A failing round is logged and retried on the next one; the learner never takes serving down."""
-        async with self.bus.subscribe(TURN_CLOSED, FEEDBACK_ADDED) as events, anyio.create_task_group() as tg:
+        subscription = self.bus.subscribe(TURN_CLOSED, FEEDBACK_ADDED, BUS_RECONNECTED)
+        async with subscription as events, anyio.create_task_group() as tg:
             await self._round(self.recover)
             await self._round(self.catch_up)
             task_status.started()
             tg.start_soon(self._follow, events)
+            self._wake.set()  # the catch-up may have judged a full batch: train it now, not a poll later
             while True:
                 with anyio.move_on_after(self.config.poll_s):
                     await self._wake.wait()
@@ -145,6 +147,9 @@ class Learner:
 
     async def _follow(self, events: Any) -> None:
         async for event in events:
+            if event.name == BUS_RECONNECTED:  # events may have been lost meanwhile: catch up now
+                self._wake.set()
+                continue
             turn_id = event.data.get("turn_id")
             if not isinstance(turn_id, str):
                 continue
@@ -344,9 +349,13 @@ class Learner:
         }
         staging = folder / f".{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        trainer.save(staging)
-        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        try:
+            staging.mkdir(parents=True)
+            trainer.save(staging)
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        except OSError:  # e.g. a full disk: the step is lost, its turns wait; leave no bytes behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self._hook("before_publish")
         staging.rename(folder / version)  # the step exists from here on
         self._hook("after_save")

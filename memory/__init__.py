@@ -2,6 +2,7 @@
 
 from whet.memory.bus import (
     ADAPTER_PUBLISHED,
+    BUS_RECONNECTED,
     FEEDBACK_ADDED,
     LESSON_ADDED,
     TURN_CLOSED,
@@ -19,7 +20,7 @@ from whet.memory.index import (
     MiniLMEmbedder,
     open_embedder,
 )
-from whet.memory.store import Store, open_store
+from whet.memory.store import Store, StoreFull, StoreUnavailable, open_store
 from whet.memory.tables import (
     NEXT_STATE_KINDS,
     Adapter,
@@ -39,6 +40,7 @@ from whet.memory.tables import (
 
 __all__ = [
     "ADAPTER_PUBLISHED",
+    "BUS_RECONNECTED",
     "FEEDBACK_ADDED",
     "LESSON_ADDED",
     "NEXT_STATE_KINDS",
@@ -62,6 +64,8 @@ __all__ = [
     "MiniLMEmbedder",
     "MqttBus",
     "Store",
+    "StoreFull",
+    "StoreUnavailable",
     "Turn",
     "TurnCreate",
     "TurnPublic",

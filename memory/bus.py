@@ -33,6 +33,9 @@ ADAPTER_PUBLISHED = "adapter.published"
 LESSON_ADDED = "lesson.added"
 LESSON_DELETED = "lesson.deleted"  # {"lesson_id"}: every replica drops it from its index
 USER_FORGOTTEN = "user.forgotten"  # {"user_id"}: every replica drops the user's lessons and adapter
+# {"connects"}: local only, never sent: this process's broker link came back, and events published
+# meanwhile may be lost (a broker restarted without persistence forgets sessions): catch up from the store
+BUS_RECONNECTED = "bus.reconnected"
 
 log = structlog.get_logger(__name__)
 
@@ -156,6 +159,9 @@ class MqttBus:
     disconnected go out after reconnecting. With a ``client_id`` the broker session
     is persistent (``clean_session=False``): events for our subscription published
     while we were away are delivered when we come back.
+
+    After every reconnect, subscriptions that name :data:`BUS_RECONNECTED` receive it (from this
+    process, not the broker): whatever was published while the link was down may not come.
 
     The broker subscription is one wildcard ``{prefix}/#`` held while any
     ``subscribe`` context is open (and renewed after every reconnect); each context
@@ -316,6 +322,8 @@ class MqttBus:
             await client.subscribe(self._wildcard, qos=1)
         self.connects += 1
         await self._notify()
+        if self.connects > 1:
+            self._fanout.deliver(BUS_RECONNECTED, _encode(BUS_RECONNECTED, {"connects": self.connects}))
         async with asyncio.TaskGroup() as group:
             group.create_task(self._read(client))
             group.create_task(self._send(client))

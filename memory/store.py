@@ -14,6 +14,7 @@ The tables themselves are in :mod:`whet.memory.tables`.
 
 from __future__ import annotations
 
+import errno
 import threading
 import uuid
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from sqlalchemy import Engine, event, func, or_, update
 from sqlalchemy import delete as sa_delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError
+from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session, SQLModel, create_engine, select
 
@@ -49,6 +50,31 @@ from whet.memory.tables import (
 )
 
 T = TypeVar("T")
+
+
+class StoreUnavailable(RuntimeError):
+    """The database cannot be reached (or stayed locked) just now: nothing was written; retry later."""
+
+
+class StoreFull(RuntimeError):
+    """The database's disk is full: the write was rolled back and nothing was stored."""
+
+
+def _store_error(exc: OperationalError | InterfaceError | OSError) -> StoreUnavailable | StoreFull:
+    """A driver's failure as what it means to a caller: a full disk, or a database out of reach.
+
+    SQLite says ``SQLITE_FULL`` (13) for a full disk, PostgreSQL SQLSTATE 53100; both roll back."""
+    cause = exc if isinstance(exc, OSError) else exc.orig
+    full = (
+        getattr(cause, "sqlite_errorcode", None) == 13
+        or getattr(cause, "sqlstate", None) == "53100"
+        or getattr(cause, "errno", None) == errno.ENOSPC
+    )
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+    if full:
+        return StoreFull(f"the store's disk is full; nothing was written ({reason})")
+    return StoreUnavailable(f"the store is unavailable; nothing was written ({reason})")
+
 
 # ----------------------------------------------------------------------------- engine
 
@@ -82,7 +108,9 @@ def _parse_url(url: str) -> URL:
 
 def _create_engine(url: URL) -> Engine:
     if url.get_backend_name() == "postgresql":
-        return create_engine(url, pool_pre_ping=True)
+        # a database that stops answering is a StoreUnavailable after 10 s, never a request that hangs
+        timeout = {} if "connect_timeout" in url.query else {"connect_timeout": 10}
+        return create_engine(url, pool_pre_ping=True, connect_args=timeout)
     database = url.database or ""
     connect_args = {"check_same_thread": False}
     if database in ("", ":memory:"):
@@ -136,11 +164,21 @@ class Store:
         self._clock = _Clock()
 
     async def _run(self, work: Callable[[Session], T]) -> T:
+        """``work`` in one committed transaction. Raises StoreUnavailable (database out of reach)
+        or StoreFull (disk full); either way nothing of ``work`` was stored."""
+
         def call() -> T:
-            with Session(self.engine, expire_on_commit=False) as db:
-                result = work(db)
-                db.commit()
-                return result
+            try:
+                with Session(self.engine, expire_on_commit=False) as db:
+                    result = work(db)
+                    db.commit()
+                    return result
+            except (OperationalError, InterfaceError) as exc:  # connection lost or refused, disk full, locked
+                raise _store_error(exc) from exc
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise _store_error(exc) from exc
 
         return await anyio.to_thread.run_sync(call)
 

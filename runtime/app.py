@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whet.config.settings import WhetConfig
 from whet.memory.bus import LESSON_DELETED
+from whet.memory.store import StoreFull, StoreUnavailable
 from whet.memory.tables import TurnPublic
 from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, resumed_request
 from whet.runtime.approvals import DECISIONS, approval_view, expire_due
@@ -164,6 +165,18 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _backend(request: Request, exc: BackendError) -> JSONResponse:
         log.warning("backend error", error=str(exc))
         return error_response(502, f"the model backend failed: {exc}", code="backend_error")
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        log.warning("store unavailable", error=str(exc))
+        response = error_response(503, f"{exc}; retry shortly", code="store_unavailable")
+        response.headers["Retry-After"] = "5"
+        return response
+
+    @app.exception_handler(StoreFull)
+    async def _store_full(request: Request, exc: StoreFull) -> JSONResponse:
+        log.error("store disk full", error=str(exc))
+        return error_response(507, f"{exc}; free space in the data directory", code="store_full")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -528,6 +541,8 @@ async def _stream(
         yield failed(str(exc), "invalid_request_error")
     except BackendError as exc:
         yield failed(f"the model backend failed: {exc}", "server_error")
+    except (StoreUnavailable, StoreFull) as exc:  # the answer was not recorded: say so, not "internal error"
+        yield failed(str(exc), "server_error")
     except Exception as exc:  # the stream has started: report in-band, never drop the connection silently
         log.exception("stream failed")
         yield failed(f"internal error ({type(exc).__name__}); the server log has details", "server_error")

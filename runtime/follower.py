@@ -19,7 +19,15 @@ from typing import Any
 import anyio
 import structlog
 
-from whet.memory.bus import ADAPTER_PUBLISHED, LESSON_ADDED, LESSON_DELETED, USER_FORGOTTEN, Bus, Event
+from whet.memory.bus import (
+    ADAPTER_PUBLISHED,
+    BUS_RECONNECTED,
+    LESSON_ADDED,
+    LESSON_DELETED,
+    USER_FORGOTTEN,
+    Bus,
+    Event,
+)
 from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.runtime.adapters import AdapterRouter
@@ -100,7 +108,7 @@ class Follower:
     # -- the task ---------------------------------------------------------------
 
     async def _run(self, ready: asyncio.Future[None]) -> None:
-        names = (ADAPTER_PUBLISHED, LESSON_ADDED, LESSON_DELETED, USER_FORGOTTEN)
+        names = (ADAPTER_PUBLISHED, LESSON_ADDED, LESSON_DELETED, USER_FORGOTTEN, BUS_RECONNECTED)
         async with self.bus.subscribe(*names) as events:
             await self.catch_up()
             ready.set_result(None)
@@ -123,6 +131,8 @@ class Follower:
                 await self._index_lesson(event.data)
             elif event.name == LESSON_DELETED:  # deleted through another replica: stop offering it here too
                 await anyio.to_thread.run_sync(self.index.remove, int(event.data["lesson_id"]))
+            elif event.name == BUS_RECONNECTED:  # what was published while the link was down may not come
+                await self.catch_up()
             elif event.name == USER_FORGOTTEN:  # the store has forgotten them already; so must this replica
                 user_id = str(event.data["user_id"])
                 await anyio.to_thread.run_sync(self.index.remove_user, user_id)

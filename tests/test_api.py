@@ -14,6 +14,7 @@ import pytest
 
 from whet.config.settings import AgentConfig, load_config
 from whet.memory.index import HashingEmbedder
+from whet.memory.store import StoreFull, StoreUnavailable
 from whet.runtime.app import create_app
 from whet.runtime.scripted import ScriptedBackend
 from whet.runtime.tools import ToolPool
@@ -316,3 +317,26 @@ async def test_health_is_degraded_and_names_the_reason_when_a_tool_server_failed
     assert health["status"] == "degraded"
     assert health["servers"] == {"broken": "failed", "calc": "ready"}
     assert list(health["server_errors"]) == ["broken"] and "FileNotFoundError" in health["server_errors"]["broken"]
+
+
+@pytest.mark.parametrize(("failure", "status", "code"), [(StoreUnavailable, 503, "store_unavailable"),
+                                                         (StoreFull, 507, "store_full")])  # fmt: skip
+async def test_a_store_that_cannot_write_is_a_503_or_507_and_a_started_stream_says_so_in_band(
+    tmp_path, monkeypatch, failure, status, code
+):
+    async with serve(tmp_path, ScriptedBackend(["it is sunny", "it is sunny again"])) as (client, res):
+
+        async def cannot_write(*args: Any, **kwargs: Any) -> Any:
+            raise failure("nothing was written (test)")
+
+        monkeypatch.setattr(res.store, "add_turn", cannot_write)
+        plain = await client.post("/v1/chat/completions", json=chat_body("weather?"))
+        assert plain.status_code == status and plain.json()["error"]["code"] == code
+        if status == 503:
+            assert plain.headers["retry-after"] == "5"
+        streamed = chat_body("weather?", stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200  # the stream had started before the write
+        errors = [json.loads(line[6:])["error"] for line in lines[:-1] if "error" in json.loads(line[6:])]
+        assert errors and "nothing was written (test)" in errors[0]["message"] and lines[-1] == "data: [DONE]"

@@ -10,7 +10,16 @@ import aiomqtt
 import anyio
 import pytest
 
-from whet.memory import ADAPTER_PUBLISHED, FEEDBACK_ADDED, TURN_CLOSED, Event, MemoryBus, MqttBus, open_bus
+from whet.memory import (
+    ADAPTER_PUBLISHED,
+    BUS_RECONNECTED,
+    FEEDBACK_ADDED,
+    TURN_CLOSED,
+    Event,
+    MemoryBus,
+    MqttBus,
+    open_bus,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -215,3 +224,24 @@ async def test_mqtt_bus_with_a_client_id_receives_events_sent_while_it_was_away(
         host, port = mqtt_url.removeprefix("mqtt://").split(":")
         async with aiomqtt.Client(host, int(port), identifier=client_id, clean_session=True):
             pass  # wipe the persistent session this test left on the broker
+
+
+@pytest.mark.loopback
+async def test_mqtt_bus_tells_its_own_subscribers_when_its_link_comes_back(mqtt_url, prefix, proxy):
+    """Events sent while the link was down may be gone (a broker restarted without persistence):
+    consumers that name bus.reconnected hear of every reconnect and catch up from the store."""
+    bus = fast_bus(proxy.port, prefix)
+    await bus.start()
+    try:
+        async with bus.subscribe(BUS_RECONNECTED) as events, bus.subscribe(TURN_CLOSED) as others:
+            for _ in range(2):
+                connects = bus.connects
+                await proxy.drop_connections()
+                with anyio.fail_after(DEADLINE):
+                    await bus.wait_connected(after=connects)
+                    assert await anext(events) == Event(BUS_RECONNECTED, {"connects": connects + 1})
+            await bus.publish(TURN_CLOSED, {"turn_id": "turn_1"})
+            with anyio.fail_after(DEADLINE):  # a subscription that did not name it never sees it
+                assert await anext(others) == Event(TURN_CLOSED, {"turn_id": "turn_1"})
+    finally:
+        await bus.aclose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -250,13 +252,16 @@ async def test_an_http_server_is_listed_called_and_refreshed(kind, path):
 
 @pytest.mark.loopback
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["utf8", "text", "half-json"])
 @pytest.mark.parametrize("newline", [True, False], ids=["own-line", "glued-to-the-answer"])
-async def test_invalid_utf8_on_a_stdio_servers_stdout_costs_at_most_one_call(newline):
+async def test_garbage_on_a_stdio_servers_stdout_costs_at_most_one_call(kind, newline):
+    """Invalid UTF-8, a line of plain text, a JSON-RPC message cut off: at most the call that wrote it fails."""
     config = specs({"peer": {"command": sys.executable, "args": [str(ECHO_SERVER)]}})
     async with ToolPool(config, call_timeout=3.0) as pool:
         assert pool.status() == {"peer": "ready"}
         with anyio.fail_after(DEADLINE):
-            await pool.call("garbage", {"newline": newline})  # may fail: its answer may be the garbled line
+            # may fail: its answer may be the garbled line
+            await pool.call("garbage", {"newline": newline, "kind": kind})
             for n in range(3):
                 answer = await pool.call("echo", {"text": f"still here {n}"})
                 assert not answer.is_error and answer.content == f"still here {n}"
@@ -296,3 +301,53 @@ async def test_a_stdio_servers_stderr_reaches_the_log_sanitised_capped_and_rate_
     assert all(len(line) <= LINE_CHARS + 40 and "\x1b" not in line and "\x00" not in line for line in lines)
     assert sum(entry["lines"] for entry in logs if entry["event"] == "mcp.server.stderr_dropped") == relay.dropped
     assert sum(len(line) for line in lines) < 2000 * 5000 // 10
+
+
+def two_stdio_peers() -> list[McpServerSpec]:
+    peer = {"command": sys.executable, "args": [str(ECHO_SERVER)]}
+    return specs({"alpha": peer, "beta": peer})
+
+
+@pytest.mark.loopback
+@pytest.mark.anyio
+async def test_a_stdio_server_killed_from_outside_is_an_error_at_once_and_is_restarted_while_another_serves():
+    async with ToolPool(two_stdio_peers(), call_timeout=10.0, restart_backoff_min=0.05,
+                        restart_backoff_max=1.0) as pool:  # fmt: skip
+        assert pool.status() == {"alpha": "ready", "beta": "ready"}
+        victim = int((await pool.call("alpha__pid", {})).content)
+        os.kill(victim, signal.SIGKILL)
+        with anyio.fail_after(5.0):  # well inside call_timeout: a dead link is known, not waited out
+            gone = await pool.call("alpha__echo", {"text": "anyone?"})
+            assert gone.is_error
+            other = await pool.call("beta__echo", {"text": "still here"})
+        assert (other.is_error, other.content) == (False, "still here")
+        await wait_until(pool, lambda: pool.status()["alpha"] == "ready")
+        again = await pool.call("alpha__pid", {})
+        assert not again.is_error and int(again.content) != victim
+
+
+@pytest.mark.loopback
+@pytest.mark.anyio
+async def test_a_hung_stdio_server_delays_neither_other_calls_nor_other_servers():
+    async with ToolPool(two_stdio_peers(), call_timeout=2.0, restart_backoff_min=0.05,
+                        restart_backoff_max=1.0) as pool:  # fmt: skip
+        answers: dict[str, object] = {}
+
+        async def call(key: str, name: str, arguments: dict) -> None:
+            started = anyio.current_time()
+            answers[key] = (await pool.call(name, arguments), anyio.current_time() - started)
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as group:
+                group.start_soon(call, "wedged", "alpha__wedge", {})
+                await anyio.sleep(0.3)  # the wedge call is in flight
+                for n in range(5):
+                    group.start_soon(call, f"beta{n}", "beta__echo", {"text": f"beta {n}"})
+        wedged, waited = answers["wedged"]
+        assert wedged.is_error and "timed out" in wedged.content and waited < 2.0 + 1.0
+        for n in range(5):
+            answer, took = answers[f"beta{n}"]
+            assert (answer.is_error, answer.content) == (False, f"beta {n}") and took < 1.5
+        await wait_until(pool, lambda: pool.status()["alpha"] != "ready")  # found dead, restarted
+        await wait_until(pool, lambda: pool.status()["alpha"] == "ready")
+        assert (await pool.call("alpha__echo", {"text": "back"})).content == "back"

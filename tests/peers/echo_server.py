@@ -69,13 +69,16 @@ def build_server(name: str = "echo") -> MCPServer:
         return f"added {tool}"
 
     @server.tool()
-    def garbage(newline: bool = False) -> str:
-        """Write bytes that are not UTF-8 onto the wire (before this call's own answer), then answer."""
+    def garbage(newline: bool = False, kind: str = "utf8") -> str:
+        """Write garbage onto the wire (before this call's own answer), then answer: bytes that are
+        not UTF-8 (``utf8``), a line of plain text (``text``) or a JSON-RPC message cut off (``half-json``)."""
         from mcp.server import stdio  # the transport serves the wire from a private copy of fd 1
 
         claim = stdio._claims.get(1)
         wire = claim.private_fd if claim is not None and claim.private_fd is not None else 1
-        os.write(wire, b"\xff\xfe\x80 not utf-8" + (b"\n" if newline else b""))
+        payload = {"utf8": b"\xff\xfe\x80 not utf-8", "text": b"Server ready, listening on stdio!",
+                   "half-json": b'{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "te'}[kind]  # fmt: skip
+        os.write(wire, payload + (b"\n" if newline else b""))
         return "wrote garbage"
 
     @server.tool()
