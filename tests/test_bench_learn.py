@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,19 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     assert [[n for n, _ in s] for s in trained] == [[1, 3, 5]] * 2 + [[1, 3]] * 4
     assert len(evaluated) == 2 * 3 + 2 * 2 + 2 * 2
     assert all(n == 1 and params == {"temperature": 0} for (n, params), in evaluated)
+
+
+def test_a_learner_still_busy_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):
+    class NeverIdle(FakeServer):
+        def health(self) -> dict[str, Any]:
+            return {**super().health(), "learner": {"judged": 9, "busy": True}}
+
+    plan = make_plan(tmp_path, idle_timeout_s=0.3)
+    tasks = Tasks([FakeTask("t0")], [FakeTask("h0")], [FakeTask("g0")], [])
+    started = time.monotonic()
+    with pytest.raises(BenchError, match=r"still busy after 0s \(judged=9\).*--idle-timeout"):
+        run_arm("memory", NeverIdle(needed=1), tasks, FakeUser(), plan, settle_s=0, advance=lambda n: None)
+    assert time.monotonic() - started < 5
 
 
 def test_an_arm_without_a_learner_skips_its_interactions_and_is_measured_at_the_start_and_the_end(tmp_path):

@@ -125,6 +125,7 @@ class Plan:
     config_path: Path | None = None
     lora_lr: float = LORA_OVERRIDES["learning_rate"]
     keep: bool = False  # keep each arm's data directory
+    idle_timeout_s: float = IDLE_TIMEOUT_S  # the longest wait for the learner at a checkpoint
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, config: WhetConfig) -> Plan:
@@ -135,7 +136,7 @@ class Plan:
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
             lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
-            keep=args.keep, **scale,
+            keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S, **scale,
         )  # fmt: skip
 
     def checkpoints(self) -> list[int]:
@@ -225,7 +226,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result = ArmResult(name)
     learns = ARM_LEARNING[name][0]
     checkpoints = set(plan.checkpoints())
-    wait_idle(client, settle_s)
+    wait_idle(client, settle_s, plan.idle_timeout_s)
     result.general_before = success_rate(client, tasks.general, advance)
     result.chat_before = chat_rate(client, tasks.chat, advance)
     result.curve.append({"interactions": 0, "success": success_rate(client, tasks.heldout, advance)})
@@ -233,7 +234,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
         advance(1)
         if i in checkpoints:
-            wait_idle(client, settle_s)
+            wait_idle(client, settle_s, plan.idle_timeout_s)
             result.curve.append({"interactions": i, "success": success_rate(client, tasks.heldout, advance)})
     if not learns:
         result.curve.append({"interactions": plan.interactions, "success": success_rate(client, tasks.heldout, advance)})
@@ -306,7 +307,8 @@ def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOU
     while (learner := client.health().get("learner")) and learner["busy"]:
         if time.monotonic() > deadline:
             counters = ", ".join(f"{k}={v}" for k, v in learner.items() if k != "busy")
-            raise BenchError(f"the learner was still busy after {timeout_s:.0f}s ({counters})")
+            raise BenchError(f"the learner was still busy after {timeout_s:.0f}s ({counters}); on a slow machine "
+                             "give it longer with --idle-timeout SECONDS")
         time.sleep(POLL_S)  # another process: there is no event to wait on
     if learner is not None:
         time.sleep(settle_s)
