@@ -28,10 +28,11 @@ The service (``bench/service_perf.py``; ``--quick`` shrinks every size):
 - ``train_tokens_per_s``, ``serving_latency_ratio_while_training``: LoRA steps on ``learner.threads``
   beside serving (``bench/serving_during_training.py``).
 
-A service that cannot be reached (PostgreSQL, Mosquitto) leaves its figures null and says why.
+A service that cannot be reached (PostgreSQL, Mosquitto) leaves its figures null and says why, as
+does a group left out with ``--skip`` (p4-p7 measure neither the model nor the device).
 
     python bench/perf.py [--quick] [--json FILE] [--model ID] [--dtype auto|float32|bfloat16]
-                         [--postgres URL] [--mqtt URL]
+                         [--device cpu|cuda|auto] [--postgres URL] [--mqtt URL] [--skip p4,p5,...]
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import peft
 import torch
+import transformers
 from rich.console import Console
 from rich.table import Table
 
@@ -58,7 +61,7 @@ from whet.runtime.policy import SamplingParams
 from whet.runtime.prefix import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-from service_perf import HEADLINE, Sizes, measure_service  # noqa: E402
+from service_perf import GROUPS, HEADLINE, Sizes, measure_service  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 TOPICS = ("the weather in Paris", "my calendar tomorrow", "a short poem", "the train to Berlin",
@@ -150,6 +153,7 @@ def machine(backend: TransformersBackend) -> dict[str, object]:
     return {
         "device": str(device), "device_name": name, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "dtype": str(backend.model.dtype).removeprefix("torch."), "torch": torch.__version__,
+        "transformers": transformers.__version__, "peft": peft.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
     }  # fmt: skip
 
@@ -213,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--postgres", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
                         help="PostgreSQL for p6 (a throwaway schema is made and dropped)")  # fmt: skip
     parser.add_argument("--mqtt", default="mqtt://127.0.0.1:1883", help="MQTT broker for p7")
+    parser.add_argument("--skip", default="", help=f"figure groups left out, comma-separated: {','.join(GROUPS)}")
     args = parser.parse_args(argv)
+    skip = tuple(group for group in args.skip.split(",") if group)
+    if unknown := [group for group in skip if group not in GROUPS]:
+        parser.error(f"--skip {unknown[0]}: not a figure group; choose from {', '.join(GROUPS)}")
     plan = Plan(model=args.model, dtype=args.dtype, device=args.device)
     plan.concurrency = tuple(int(n) for n in args.concurrency.split(","))
     if args.quick:
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(backend.aclose())
     sizes = Sizes.quick() if args.quick else Sizes()
     report.service, report.unavailable = asyncio.run(
-        measure_service(source, plan.device, plan.dtype, sizes, args.postgres, args.mqtt)
+        measure_service(source, plan.device, plan.dtype, sizes, args.postgres, args.mqtt, skip)
     )
     print_table(report, Console(width=120))
     if args.json:

@@ -66,12 +66,15 @@ def percentile(values: list[float], q: float) -> float:
 
 @asynccontextmanager
 async def whet_app(
-    data_dir: Path, backend: PolicyBackend, model: Path, **overrides: Any
+    data_dir: Path, backend: PolicyBackend, source: Path, /, **overrides: Any
 ) -> AsyncIterator[Any]:
-    """(client, resources) of a fresh app on ``backend``; ``model`` is what a learner trains."""
+    """(client, resources) of a fresh app on ``backend``; ``source`` is the model a learner trains;
+    ``overrides`` are config sections merged over the defaults here."""
     base: dict[str, Any] = {"data_dir": str(data_dir), "memory": {"embedder": "hashing"},
-                            "model": {"id": str(model), "max_new_tokens": 8},
-                            "learner": {"enabled": False, "gate": {"holdout_fraction": 0.0, "regression_set": None}}}  # fmt: skip
+                            "model": {"id": str(source), "max_new_tokens": 8},
+                            "learner": {"enabled": False, "gate": {"holdout_fraction": 0.0, "regression_set": None}},
+                            # closed-loop load from one client measures serving, not the per-key limits
+                            "server": {"max_concurrent_per_key": 0, "rate_limit_per_minute": 0}}  # fmt: skip
     for key, value in overrides.items():
         base[key] = _merged(base.get(key, {}), value) if isinstance(value, dict) else value
     app = create_app(load_config(overrides=base), backend=backend, tools=ToolPool([], in_memory={}),
@@ -196,11 +199,14 @@ async def p2_lesson_latency(work: Path, model: Path, sizes: Sizes) -> dict[str, 
 
 
 async def p3_adapter_latency(
-    work: Path, backend: PolicyBackend, model: Path, sizes: Sizes
+    work: Path, backend: PolicyBackend, model: Path, sizes: Sizes, device: str = "cpu", dtype: str = "auto"
 ) -> dict[str, float]:
-    """The feedback that completes a training batch -> the first request answered by the new version."""
-    learner = {"enabled": True, "batch_size": sizes.batch, "batch_timeout_s": 3600, "poll_s": 0.2}
-    async with whet_app(work / "p3", backend, model, learner=learner) as (client, res):
+    """The feedback that completes a training batch -> the first request answered by the new version.
+
+    The learner trains on ``device`` in ``dtype``, as the serving backend runs (one GPU for both on CUDA)."""
+    learner = {"enabled": True, "batch_size": sizes.batch, "batch_timeout_s": 3600, "poll_s": 0.2, "device": device}
+    model_settings = {"device": device, "dtype": dtype}
+    async with whet_app(work / "p3", backend, model, learner=learner, model=model_settings) as (client, res):
         turns = [(await chat(client, f"Add item {i} to my list")).json()["id"] for i in range(sizes.batch)]
         for i, turn_id in enumerate(turns):
             thumbs = "up" if i % 2 == 0 else "down"
@@ -375,6 +381,18 @@ async def postgres_schema(url: str) -> AsyncIterator[str]:
         admin.dispose()
 
 
+# the figure groups ``--skip`` can leave out, and the figures each one gives
+GROUPS = {
+    "p1": ("p1_failed_requests", "p1_p99_ratio"),
+    "p2": ("p2_lesson_latency_ms",),
+    "p3": ("p3_adapter_latency_s",),
+    "p4": ("p4_overhead_ms_p50",),
+    "p5": ("p5_search_ms_p50", "p5_recall_at_5"),
+    "p6": ("p6_sqlite_turns_per_s", "p6_postgres_turns_per_s"),
+    "p7": ("p7_mqtt_events_per_s", "p7_mqtt_latency_ms_p50"),
+    "train": ("train_tokens_per_s", "serving_latency_ratio_while_training"),
+}
+
 HEADLINE = ("p1_failed_requests", "p1_p99_ratio", "p2_lesson_latency_ms", "p3_adapter_latency_s", "p4_overhead_ms_p50",
             "p5_search_ms_p50", "p5_recall_at_5", "p6_sqlite_turns_per_s", "p6_postgres_turns_per_s",
             "p7_mqtt_events_per_s", "p7_mqtt_latency_ms_p50", "train_tokens_per_s",
@@ -395,9 +413,12 @@ def reachable(url: str) -> str | None:
         return f"{host}:{port} is not reachable ({exc.strerror or exc})"
 
 
-async def measure_service(model: Path, device: str, dtype: str, sizes: Sizes, postgres: str,
-                          mqtt: str) -> tuple[dict[str, float], dict[str, str]]:  # fmt: skip
-    """Every service figure (and its details), and the figures left out with the reason."""
+async def measure_service(model: Path, device: str, dtype: str, sizes: Sizes, postgres: str, mqtt: str,
+                          skip: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, str]]:  # fmt: skip
+    """Every service figure (and its details), and the figures left out with the reason.
+
+    ``skip`` names groups of :data:`GROUPS` not to measure (p4-p7 do not depend on the model or the
+    device, so a second run on another model or device may leave them out)."""
     from serving_during_training import measure as training_figures
 
     from whet.runtime.hf import TransformersBackend
@@ -409,23 +430,30 @@ async def measure_service(model: Path, device: str, dtype: str, sizes: Sizes, po
     def engine() -> TransformersBackend:  # each app closes its backend on the way out
         return TransformersBackend(str(model), device=device, dtype=dtype, workers=sizes.concurrency)
 
-    adapter = await asyncio.to_thread(lora_adapter, model, work / "adapter")
-    figures |= await p1_swaps_under_load(work, engine(), model, adapter, sizes)
-    figures |= await p2_lesson_latency(work, model, sizes)
-    figures |= await p3_adapter_latency(work, engine(), model, sizes)
-    figures |= await p4_loop_overhead(work, model, sizes)
-    figures |= await asyncio.to_thread(p5_search, sizes)
-    figures["p6_sqlite_turns_per_s"] = await p6_store_writes(f"sqlite:///{work / 'p6.db'}", sizes)
-    if (why := reachable(postgres)) is None:
-        async with postgres_schema(postgres) as url:
-            figures["p6_postgres_turns_per_s"] = await p6_store_writes(url, sizes)
-    else:
-        unavailable["p6_postgres_turns_per_s"] = f"PostgreSQL {why}"
-    if (why := reachable(mqtt)) is None:
-        figures |= await p7_mqtt(mqtt, sizes)
-    else:
-        unavailable |= {
-            name: f"Mosquitto {why}" for name in ("p7_mqtt_events_per_s", "p7_mqtt_latency_ms_p50")
-        }
-    figures |= await training_figures(model, sizes.train_requests, sizes.train_batch)
+    unavailable |= {name: f"skipped (--skip {group})" for group in skip for name in GROUPS[group]}
+    if "p1" not in skip:
+        adapter = await asyncio.to_thread(lora_adapter, model, work / "adapter")
+        figures |= await p1_swaps_under_load(work, engine(), model, adapter, sizes)
+    if "p2" not in skip:
+        figures |= await p2_lesson_latency(work, model, sizes)
+    if "p3" not in skip:
+        figures |= await p3_adapter_latency(work, engine(), model, sizes, device, dtype)
+    if "p4" not in skip:
+        figures |= await p4_loop_overhead(work, model, sizes)
+    if "p5" not in skip:
+        figures |= await asyncio.to_thread(p5_search, sizes)
+    if "p6" not in skip:
+        figures["p6_sqlite_turns_per_s"] = await p6_store_writes(f"sqlite:///{work / 'p6.db'}", sizes)
+        if (why := reachable(postgres)) is None:
+            async with postgres_schema(postgres) as url:
+                figures["p6_postgres_turns_per_s"] = await p6_store_writes(url, sizes)
+        else:
+            unavailable["p6_postgres_turns_per_s"] = f"PostgreSQL {why}"
+    if "p7" not in skip:
+        if (why := reachable(mqtt)) is None:
+            figures |= await p7_mqtt(mqtt, sizes)
+        else:
+            unavailable |= {name: f"Mosquitto {why}" for name in GROUPS["p7"]}
+    if "train" not in skip:
+        figures |= await training_figures(model, sizes.train_requests, sizes.train_batch, device=device, dtype=dtype)
     return figures, unavailable

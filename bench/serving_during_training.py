@@ -6,7 +6,8 @@ steps run back to back in the learner's worker thread (on ``learner.threads`` CP
 half the cores by default, as the learner runs them), and the ratio of the two. Training
 speed is reported as tokens (prompt and response) through forward and backward per second.
 
-    python bench/serving_during_training.py [--requests 20] [--batch 16] [--threads N]
+    python bench/serving_during_training.py [--requests 20] [--batch 16] [--threads N] [--device cuda]
+                                            [--dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def batch(trainer: LoraTrainer, size: int) -> list[Sample]:
     return [Sample(f"t{i}", prompt, response, behaviour, 1 if i % 2 else -1) for i in range(size)]
 
 
-async def measure(model: Path, requests: int, size: int, threads: int | None = None) -> dict[str, float]:
-    """Serving latency idle and while training on ``model``; training tokens/s on ``threads``."""
-    backend = TransformersBackend(str(model), device="cpu", workers=2)
+async def measure(model: Path, requests: int, size: int, threads: int | None = None, *, device: str = "cpu",
+                  dtype: str = "auto") -> dict[str, float]:  # fmt: skip
+    """Serving latency idle and while training on ``model``; training tokens/s on ``threads``.
+
+    Serving and training both run on ``device`` in ``dtype`` (``model.dtype``), as ``whet serve``
+    runs them with the learner alongside (on CUDA they share the GPU; ``threads`` then bounds the
+    CPU side of a step only)."""
+    backend = TransformersBackend(str(model), device=device, dtype=dtype, workers=2)
     objective = build_objective("combined", clip_low=0.2, clip_high=0.28, advantage_clip=5.0,
                                 rl_weight=1.0, opd_weight=1.0, kl_weight=0.0)  # fmt: skip
-    trainer = LoraTrainer.load(str(model), LoraConfig(), objective, device="cpu")
+    trainer = LoraTrainer.load(str(model), LoraConfig(), objective, device=device, dtype=dtype)
     samples = batch(trainer, size)
     tokens_per_step = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     await latencies(backend, 3)  # warm-up
@@ -85,12 +91,14 @@ async def measure(model: Path, requests: int, size: int, threads: int | None = N
         "train_steps": len(steps),
         "train_threads": threads,
         "train_tokens_per_s": tokens_per_step / statistics.median(steps),
+        "train_device": str(trainer.device),
+        "train_bfloat16": trainer.bf16,
     }
 
 
-async def main(requests: int, size: int, threads: int | None) -> None:
+async def main(requests: int, size: int, threads: int | None, device: str, dtype: str) -> None:
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "model")
-    m = await measure(model, requests, size, threads)
+    m = await measure(model, requests, size, threads, device=device, dtype=dtype)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads")
     idle = m["serving_p50_idle_ms"]
     print(f"chat latency p50, learner idle:     {idle:.1f} ms ({requests} requests, 32 new tokens)")
@@ -99,7 +107,7 @@ async def main(requests: int, size: int, threads: int | None) -> None:
     print(f"ratio (training / idle): {m['serving_latency_ratio_while_training']:.2f}")
     print(f"training: {m['train_tokens_per_s']:.0f} tokens/s")
     print(f"reproduce: python bench/serving_during_training.py --requests {requests} --batch {size}"
-          + (f" --threads {threads}" if threads else ""))  # fmt: skip
+          + (f" --threads {threads}" if threads else "") + f" --device {device} --dtype {dtype}")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -107,5 +115,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, help="training threads (default: half the cores, learner.threads)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = parser.parse_args()
-    asyncio.run(main(args.requests, args.batch, args.threads))
+    asyncio.run(main(args.requests, args.batch, args.threads, args.device, args.dtype))

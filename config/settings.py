@@ -17,7 +17,16 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -101,6 +110,14 @@ class ServerConfig(Section):
     admin_users: list[str] = Field(default_factory=list)
     default_user: str = "default"
     max_body_bytes: int = Field(1_000_000, gt=0)
+    # limits on one chat request (400 when broken): messages in it, and the max_tokens (or
+    # max_completion_tokens) it may ask for; within the cap, answers still stop at model.max_new_tokens
+    max_messages: int = Field(512, gt=0)
+    max_tokens_cap: int = Field(32_768, gt=0)
+    # limits per client (the user of an API key; with keys off, everyone together) on generating
+    # requests (429 with Retry-After when broken); 0 turns either off
+    max_concurrent_per_key: int = Field(32, ge=0)
+    rate_limit_per_minute: int = Field(600, ge=0)
     # false: a request naming another model is served by the one model here (clients keep their own
     # model names); true: such a request gets 404
     strict_model_names: bool = False
@@ -248,6 +265,9 @@ class LoraConfig(Section):
     learning_rate: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # optimizer passes over each batch (the hinted teacher's side is computed once): few
+    # interactions give few batches, and one pass over each moves an adapter little
+    epochs: int = Field(1, ge=1)
     # train only the top N transformer layers (the ones below run without gradients); null = all
     layers: int | None = Field(None, ge=1)
     # the step's matmuls: auto = bfloat16 (autocast over float32 weights) on CUDA and on CPUs
@@ -272,11 +292,25 @@ class GateConfig(Section):
     rollback_margin: float = Field(0.25, ge=0.0)
 
 
+class RehearsalConfig(Section):
+    # JSONL of {"messages", "response", "tools"?} (the regression set's format) that each training
+    # step also learns, so one user's lessons do not cost everyone's general skill; "bundled" = the
+    # shipped set (config/rehearsal.jsonl, general tool use and small talk); null = none
+    set: str | None = "bundled"
+    per_step: int = Field(8, ge=0)  # items drawn into every step
+    weight: float = Field(1.0, ge=0.0)  # their token-mean log-likelihood loss, times this
+
+
 class LearnerConfig(Section):
     # run the learner inside `whet serve` (false: run `whet learn` elsewhere, or no learning)
     enabled: bool = True
-    # one adapter for everyone, or one per user (multi-LoRA)
-    scope: Literal["global", "user"] = "global"
+    # one adapter for everyone (global), or one per user (user, multi-LoRA); auto = user when
+    # server.api_keys names more than one user, else global: one user's feedback never steers
+    # the model another user gets (resolved when the config is read: every part sees global or user)
+    scope: Literal["auto", "global", "user"] = "auto"
+    # global scope: only these users' turns train the shared adapter (the others' are judged and
+    # give their own lessons, never weights); null = everyone's
+    trusted_users: list[str] | None = None
     train: bool = True  # false: judge and keep lessons only, never change weights
     lessons: bool = True  # false: train weights only, keep no lessons
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
@@ -289,6 +323,7 @@ class LearnerConfig(Section):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 
 
@@ -318,6 +353,7 @@ class WhetConfig(BaseSettings):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    _scope_auto: bool = PrivateAttr(False)  # learner.scope was auto, resolved from server.api_keys
 
     @classmethod
     def settings_customise_sources(
@@ -330,6 +366,15 @@ class WhetConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # env beats the merged files handed in as init kwargs
         return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _resolve_scope(self) -> WhetConfig:
+        """``learner.scope: auto`` becomes ``user`` when the API keys name more than one user."""
+        if self.learner.scope == "auto":
+            users = set(self.server.api_keys.values())
+            self.learner.scope = "user" if len(users) > 1 else "global"
+            self._scope_auto = True
+        return self
 
     @property
     def data_path(self) -> Path:
@@ -387,7 +432,10 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     try:
         config = WhetConfig(**data)
         if overrides:
-            config = WhetConfig(**_merge(config.model_dump(), overrides))
+            dumped = config.model_dump()
+            if config._scope_auto:  # resolved again, over the overrides' keys
+                dumped["learner"]["scope"] = "auto"
+            config = WhetConfig(**_merge(dumped, overrides))
     except ValidationError as exc:
         raise _config_error(exc) from None
     return config

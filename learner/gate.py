@@ -89,10 +89,11 @@ def preference_margin(replayed: Sequence[Replayed]) -> float | None:
     return (fmean(up) if up else 0.0) - (fmean(down) if down else 0.0)
 
 
-def load_regression_set(path: Path, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+def load_regression_set(path: Path, tokenizer: Any,
+                        key: str = "learner.gate.regression_set") -> list[tuple[list[int], list[int]]]:  # fmt: skip
     """(prompt ids, response ids) for each line of a JSONL file of ``{"messages": [...], "response": "...",
-    "tools": [...]}`` (``tools``, OpenAI function specs the prompt lists, is optional)."""
-    key = "learner.gate.regression_set"
+    "tools": [...]}`` (``tools``, OpenAI function specs the prompt lists, is optional). ``key``: the
+    setting that named the file, for errors (the rehearsal set has the same format)."""
     try:
         lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -111,7 +112,7 @@ def load_regression_set(path: Path, tokenizer: Any) -> list[tuple[list[int], lis
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
             fix = 'each line must be {"messages": [{"role": ..., "content": ...}], "response": "...", "tools"?: [...]}'
-            raise ConfigError(key, f"{path} line {number} is not a regression turn", fix) from None
+            raise ConfigError(key, f"{path} line {number} is not a turn of this format", fix) from None
         prompt = tokenizer.encode(prompt_text(tokenizer, messages, tools), add_special_tokens=False)
         items.append((prompt, tokenizer.encode(response + end, add_special_tokens=False)))
     return items

@@ -9,6 +9,7 @@ untrained tiny model tests use, both built in the data directory's ``models/`` f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,25 @@ import torch
 
 class ModelLoadError(Exception):
     """The model cannot be loaded; the message says what to pass instead."""
+
+
+@functools.cache
+def _cache_name() -> str:
+    """The KV cache's keyword in a model's forward and its attribute on the output: transformers
+    5.24 renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword argument a model's forward takes it by."""
+    return {_cache_name(): cache}
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward pass returned."""
+    return getattr(output, _cache_name())
 
 
 DEFAULT_MODEL = "smollm2"
@@ -146,11 +166,21 @@ def pick_device(device: str) -> torch.device:
 
 
 def serving_dtype(dtype: str, device: torch.device) -> str:
-    """``auto`` as measured: bfloat16 on CUDA; float32 on CPU, where bfloat16 prefilled faster but
-    decoded 2-5x slower on the tiny model (an AVX2 CPU without bf16 instructions; README, Speed)."""
+    """``auto``: bfloat16 on a CUDA device that computes it natively (:func:`cuda_has_bfloat16`), float32
+    elsewhere: on CPU bfloat16 prefilled faster but decoded 2-5x slower on the tiny model (an AVX2 CPU
+    without bf16 instructions; README, Speed), and a GPU before Ampere only emulates it.
+    ``python bench/dtype.py --device cuda`` measures the two on a GPU at hand."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return "bfloat16" if device.type == "cuda" and cuda_has_bfloat16(device) else "float32"
+
+
+def cuda_has_bfloat16(device: torch.device) -> bool:
+    """Whether a CUDA device has bfloat16 tensor cores: compute capability 8.0 and up (A100, H100, RTX 30xx
+    and later; ROCm's MI200 and later). V100 and T4 (7.x) run bfloat16 through slow emulation."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def load_causal_lm(model_id_or_path: str, device: torch.device, dtype: str = "auto") -> tuple[Any, Any]:

@@ -29,7 +29,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from whet.config.settings import LoraConfig
-from whet.learner.model import load_causal_lm, pick_device, quiet_peft, stop_token_ids
+from whet.learner.model import (
+    cache_of,
+    cuda_has_bfloat16,
+    load_causal_lm,
+    pick_device,
+    quiet_peft,
+    stop_token_ids,
+    with_cache,
+)
 from whet.learner.objective import Objective, TokenBatch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -137,9 +145,9 @@ class LoraTrainer:
         with self._autocast():
             if len(prompt) > 1:
                 with torch.no_grad():
-                    cache = self.model(torch.tensor([prompt[:-1]], device=self.device), use_cache=True).past_key_values
+                    cache = cache_of(self.model(torch.tensor([prompt[:-1]], device=self.device), use_cache=True))
             tail = torch.tensor([[prompt[-1], *response[:-1]]], device=self.device)  # [1, T]: token i predicts i+1
-            logits = self.model(tail, past_key_values=cache, use_cache=cache is not None).logits[0]  # [T, V]
+            logits = self.model(tail, **with_cache(cache), use_cache=cache is not None).logits[0]  # [T, V]
         return torch.log_softmax(logits.float(), dim=-1)  # [T, V]
 
     def response_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
@@ -154,14 +162,14 @@ class LoraTrainer:
         out: list[int] = []
         with torch.no_grad(), self._autocast():
             logits = self.model(ids, use_cache=True)
-            cache = logits.past_key_values
+            cache = cache_of(logits)
             for _ in range(max_new_tokens):
                 token = int(logits.logits[0, -1].float().argmax())
                 out.append(token)
                 if token in stops:
                     break
-                logits = self.model(torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
-                cache = logits.past_key_values
+                logits = self.model(torch.tensor([[token]], device=self.device), **with_cache(cache), use_cache=True)
+                cache = cache_of(logits)
         return out
 
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
@@ -175,8 +183,15 @@ class LoraTrainer:
 
     # -- the step ---------------------------------------------------------------
 
-    def step(self, samples: Sequence[Sample], baseline: float) -> dict[str, float]:
-        """One optimizer step on ``samples``; returns the objective's statistics."""
+    def step(self, samples: Sequence[Sample], baseline: float,
+             rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0) -> dict[str, float]:  # fmt: skip
+        """One training step on ``samples``: ``lora.epochs`` optimizer passes over them (the
+        teacher's side, computed once before the first); returns the objective's statistics of
+        the last pass, with the first pass's loss as ``loss_first``.
+
+        ``rehearsal``: (prompt ids, response ids) of general skill learnt beside the samples in
+        every pass, ``rehearsal_weight`` times their token-mean negative log-likelihood: what a
+        batch of one user's requests teaches, it teaches beside what everyone needs kept."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         full = getattr(self.objective, "needs_distributions", False)
@@ -193,6 +208,21 @@ class LoraTrainer:
             if getattr(self.objective, "kl_weight", 0.0) > 0:
                 with self.model.disable_adapter():
                     reference = [self.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
+        first: float | None = None
+        for _ in range(self.lora.epochs):
+            stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
+            first = stats["loss"] if first is None else first
+        stats["loss_first"] = float(first if first is not None else 0.0)
+        stats["samples"] = float(len(samples))
+        return stats
+
+    def _pass(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
+              actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
+              rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+              rehearsal_weight: float = 1.0) -> dict[str, float]:  # fmt: skip
+        """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
+        The importance ratio stays against the behaviour log-probs, so the clip bounds how far
+        all of a step's passes together move the policy on the RL part."""
         self.model.train()
         try:
             student = [self.response_distributions(s.prompt_ids, s.response_ids) for s in samples]
@@ -219,6 +249,10 @@ class LoraTrainer:
                 batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
                 batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
             loss, stats = self.objective.loss(batch)
+            if rehearsal and rehearsal_weight > 0:
+                kept = torch.cat([self.response_logprobs(p, r) for p, r in rehearsal])  # [sum of lengths]
+                stats["rehearsal_loss"] = float(-kept.detach().mean())
+                loss = loss - rehearsal_weight * kept.mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -226,9 +260,7 @@ class LoraTrainer:
             self.optimizer.step()
         finally:
             self.model.eval()
-        stats["samples"] = float(len(samples))
         return stats
-
 
     def _new_action(self, sample: Sample) -> list[int] | None:
         """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do
@@ -263,12 +295,13 @@ def limited_threads(n: int) -> Iterator[None]:
 
 
 def use_bfloat16(precision: str, device: torch.device) -> bool:
-    """Whether training computes in bfloat16 (autocast over float32 weights): ``auto`` = on CUDA,
-    and on CPUs with native bfloat16 matmuls (AVX512-BF16 / AMX), where it is about twice as fast."""
+    """Whether training computes in bfloat16 (autocast over float32 weights): ``auto`` = on CUDA devices
+    with bfloat16 tensor cores (not V100/T4, which emulate it), and on CPUs with native bfloat16 matmuls
+    (AVX512-BF16 / AMX), where it is about twice as fast."""
     if precision != "auto":
         return precision == "bfloat16"
     if device.type == "cuda":
-        return True
+        return cuda_has_bfloat16(device)
     return device.type == "cpu" and bool(torch.backends.mkldnn.is_available()) and _cpu_has_bf16()
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from whet.memory.bus import FEEDBACK_ADDED, TURN_CLOSED, Bus
 from whet.memory.store import Store
-from whet.memory.tables import Feedback, Turn, TurnCreate
+from whet.memory.tables import UNLEARNED_JUDGE, Feedback, Judgment, Turn, TurnCreate
 
 
 class Experience:
@@ -20,8 +20,17 @@ class Experience:
         self.store = store
         self.bus = bus
 
-    async def record(self, turn: TurnCreate, turn_id: str | None = None) -> Turn:
-        return await self.store.add_turn(turn, turn_id=turn_id)
+    async def record(self, turn: TurnCreate, turn_id: str | None = None, *, learn: bool = True) -> Turn:
+        """Store one model action. ``learn=False`` (a request with ``store: false``): it is kept
+        for its session like any other, with a neutral verdict that no judge replaces, so it
+        never becomes a training sample, a lesson or credit."""
+        row = await self.store.add_turn(turn, turn_id=turn_id)
+        if not learn:
+            await self.store.save_judgment(Judgment(
+                turn_id=row.id, user_id=row.user_id, request_id=row.request_id, policy_version=row.policy_version,
+                score=0, hint=None, reason="the request said store: false", judge=UNLEARNED_JUDGE, split="train",
+                trainable=False))  # fmt: skip
+        return row
 
     async def close(self, turn_id: str, kind: str, next_state: dict[str, Any]) -> Turn | None:
         """Close a turn with the next state that followed it; None when it was already closed."""

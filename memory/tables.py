@@ -23,6 +23,8 @@ NEXT_STATE_KINDS = frozenset({"tool_result", "user_message", "feedback"})
 ADAPTER_SCOPES = frozenset({"global", "user"})
 ADAPTER_STATUSES = frozenset({"candidate", "live", "rejected", "retired"})
 APPROVAL_STATUSES = frozenset({"pending", "approved", "rejected", "expired"})
+# the judge of a turn whose request said ``store: false``: served and kept for its session, never learned from
+UNLEARNED_JUDGE = "store:false"
 
 
 def utcnow() -> datetime:

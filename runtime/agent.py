@@ -57,6 +57,8 @@ class TurnRequest:
     # the id of the turn that answers (the response id), drawn up front so a stream names it from its
     # first chunk; the intermediate tool steps get ids of their own
     answer_turn_id: str = field(default_factory=new_turn_id)
+    # False: the request said ``store: false``; its turns are kept for the session, never learned from
+    learn: bool = True
 
 
 @dataclass
@@ -236,6 +238,7 @@ class Agent:
             "messages": run.messages, "tools": run.tools, "usage": run.usage, "shown": run.shown,
             "client_messages": request.messages, "client_tools": request.client_tools,
             "params": dataclasses.asdict(request.params), "tool_choice": request.tool_choice,
+            "learn": request.learn,
         }  # fmt: skip
         now = utcnow()
         approval = Approval(
@@ -369,6 +372,7 @@ class Agent:
                 tool_calls=[c.to_openai() for c in generation.tool_calls],
             ),
             turn_id,
+            learn=request.learn,
         )
         if self.metrics is not None:
             self.metrics.turn_recorded(generation)
@@ -409,7 +413,8 @@ def resumed_request(approval: Approval) -> TurnRequest:
     state = approval.resume
     params = SamplingParams(**{**state["params"], "stop": tuple(state["params"]["stop"])})
     return TurnRequest(approval.user_id, approval.session_id, state["client_messages"], state["client_tools"],
-                       params, request_id=approval.request_id, tool_choice=state["tool_choice"])  # fmt: skip
+                       params, request_id=approval.request_id, tool_choice=state["tool_choice"],
+                       learn=state.get("learn", True))  # fmt: skip
 
 
 def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:

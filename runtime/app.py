@@ -37,6 +37,7 @@ from whet.runtime.chat import (
     stream_tool_calls,
 )
 from whet.runtime.forget import forget_user
+from whet.runtime.limits import GENERATING, AdmissionMiddleware, body_limit
 from whet.runtime.metrics import RequestTimer
 from whet.runtime.middleware import (
     ApiKeyMiddleware,
@@ -45,7 +46,7 @@ from whet.runtime.middleware import (
     UnexpectedErrorMiddleware,
     key_user,
 )
-from whet.runtime.policy import BackendError, SamplingParams
+from whet.runtime.policy import BackendError, PromptTooLong, SamplingParams
 from whet.runtime.schemas import (
     ApprovalDecision,
     ApprovalView,
@@ -119,6 +120,7 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     app = FastAPI(title="whet", version="0.1.0", lifespan=lifespan)
     app.state.api_keys = bool(config.server.api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(AdmissionMiddleware, server=config.server, keys=config.server.api_keys)  # after the 401
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_keys, public=WEB_PAGE)  # before the body: 401 first
     app.add_middleware(UnexpectedErrorMiddleware)  # inside the request context, so its log line has the ids
     app.add_middleware(RequestContextMiddleware)
@@ -145,13 +147,17 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         "type": "object", "required": ["error"], "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}},
     }  # fmt: skip
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    for operations in schema.get("paths", {}).values():
-        for operation in operations.values():
+    retry_after = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             if responses.pop("422", None) is not None:
                 responses["400"] = {"description": "Invalid request", **error}
             if app.state.api_keys:
                 responses["401"] = {"description": "Missing or invalid API key", **error}
+            if method == "post" and GENERATING.match(path):  # see whet.runtime.limits
+                responses["429"] = {"description": "Too many requests in flight or in the last minute for this "
+                                    "key", "headers": retry_after, **error}  # fmt: skip
     app.openapi_schema = schema
     return schema
 
@@ -213,7 +219,7 @@ def _install_routes(app: FastAPI) -> None:
         try:
             result = await res.agent.run(request)
         except ValueError as exc:  # the backend refuses bad input (e.g. a prompt over the context)
-            raise ApiError(400, str(exc), code="invalid_request") from None
+            raise _refused_input(exc) from None
         res.metrics.latency.observe(time.perf_counter() - started)
         await _remember_tip(res, request, result)
         headers["X-Whet-Turn"] = result.turn.id
@@ -348,7 +354,7 @@ def _install_approval_routes(app: FastAPI) -> None:
         try:
             result = await res.agent.run(request, decided)
         except (ValueError, LookupError) as exc:
-            raise ApiError(400, str(exc), code="invalid_request") from None
+            raise _refused_input(exc) from None
         await _remember_tip(res, request, result)
         headers["X-Whet-Turn"] = result.turn.id
         return JSONResponse(completion_body(result, res.model_name), headers=headers)
@@ -361,6 +367,13 @@ async def _owned_approval(res: Resources, approval_id: str, auth_user: str | Non
         raise ApiError(404, f"approval '{_echo(approval_id)}' not found", code="approval_not_found",
                        param="approval_id")  # fmt: skip
     return found
+
+
+def _refused_input(exc: Exception) -> ApiError:
+    """The 400 for input the agent or the backend refused; a prompt over the context names that limit."""
+    if isinstance(exc, PromptTooLong):
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    return ApiError(400, str(exc), code="invalid_request")
 
 
 def _echo(text: str, limit: int = 80) -> str:
@@ -392,6 +405,9 @@ def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
     if refused is not None:
         field, why = refused
         raise ApiError(400, f"{field}: {why}", code="unsupported_value", param=field)
+    tokens = {"max_tokens": body.max_tokens, "max_completion_tokens": body.max_completion_tokens}
+    if (limit := body_limit(res.config.server, len(body.messages), tokens)) is not None:
+        raise ApiError(limit.status, limit.message, code=limit.code, param=limit.param)
 
 
 WEB_PAGE = ("/", "/web/*")  # the page's static files: no data, served without a key (the page asks for one)
@@ -478,7 +494,8 @@ async def _turn_request(
     client_tools = [t.model_dump() for t in body.tools or []]
     # no adapter here: the agent pins one when the request starts and holds it to the end
     tool_choice = "none" if body.tool_choice == "none" else "auto"
-    return TurnRequest(user_id, session_id, messages, client_tools, params, tool_choice=tool_choice)
+    return TurnRequest(user_id, session_id, messages, client_tools, params, tool_choice=tool_choice,
+                       learn=body.store is not False)
 
 
 async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
@@ -515,8 +532,8 @@ async def _stream(
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, logprobs=None, **extra: Any) -> str:
         return sse_chunk(chunk_id, created, res.model_name, delta, finish, logprobs, **extra)
 
-    def failed(message: str, kind: str) -> str:
-        return chunk(None, error={"message": message, "type": kind})
+    def failed(message: str, kind: str, code: str | None = None) -> str:
+        return chunk(None, error={"message": message, "type": kind, "code": code})
 
     opened = False
     try:
@@ -538,7 +555,7 @@ async def _stream(
                     yield chunk(None, usage=result.usage)
                 await _remember_tip(res, request, result)
     except (ValueError, LookupError) as exc:  # bad input (a prompt over the context), a forgotten turn
-        yield failed(str(exc), "invalid_request_error")
+        yield failed(str(exc), "invalid_request_error", _refused_input(exc).code)
     except BackendError as exc:
         yield failed(f"the model backend failed: {exc}", "server_error")
     except (StoreUnavailable, StoreFull) as exc:  # the answer was not recorded: say so, not "internal error"

@@ -59,8 +59,9 @@ class Sequence:
 class BatchEngine:
     """Owns the model's forward passes: ``submit`` a Sequence, wait on its ``done`` event.
 
-    ``accept(seq, logits [V])`` samples the next token into ``seq`` (and emits its text); it
-    returns True when ``seq`` is finished. ``prefill(seq)`` returns (cache, logits [V]) for the
+    ``sample(seqs, logits [B, V])`` picks each row's next token, returning (token, log-prob) per row
+    (one call per step, so a GPU is waited for once per step, not twice per row); ``accept(seq, token,
+    logprob)`` adds it to ``seq`` (and emits its text), returning True when ``seq`` is finished. ``prefill(seq)`` returns (cache, logits [V]) for the
     whole prompt; ``release(seq, cache)`` hands back a finished sequence's private cache.
     """
 
@@ -68,12 +69,14 @@ class BatchEngine:
         self,
         forward: Forward,
         prefill: Callable[[Sequence], tuple[Any, torch.Tensor]],
-        accept: Callable[[Sequence, torch.Tensor], bool],
+        sample: Callable[[list[Sequence], torch.Tensor], list[tuple[int, float]]],
+        accept: Callable[[Sequence, int, float], bool],
         release: Callable[[Sequence, Any], None],
         device: torch.device,
         max_batch: int,
     ) -> None:
-        self._forward, self._prefill, self._accept, self._release = forward, prefill, accept, release
+        self._forward, self._prefill, self._sample, self._accept = forward, prefill, sample, accept
+        self._release = release
         self.device = device
         self.max_batch = max_batch
         self._cond = threading.Condition()
@@ -151,7 +154,7 @@ class BatchEngine:
             if seq.cancel.is_set() or seq.budget <= 0:
                 return self._finish(seq, None)
             cache, logits = self._prefill(seq)
-            if self._accept(seq, logits):
+            if self._accept(seq, *self._sample([seq], logits[None])[0]):
                 return self._finish(seq, cache)
             self._add_row(seq, cache)
         except Exception as exc:  # this request fails; the batch goes on
@@ -171,7 +174,8 @@ class BatchEngine:
         names = [seq.adapter for seq in rows]
         try:
             logits, self._cache = self._forward(inputs, self._cache, names, mask, positions)  # [B, V]
-        except Exception as exc:  # the whole batch shared the pass that failed
+            picks = self._sample(rows, logits)
+        except Exception as exc:  # the whole batch shared the pass (and the sampling) that failed
             self._fail(rows, exc)
             self.rows, self._cache, self._mask, self._lengths = [], None, None, []
             return
@@ -183,7 +187,7 @@ class BatchEngine:
         finished = []
         for i, seq in enumerate(rows):
             try:
-                if self._accept(seq, logits[i]):
+                if self._accept(seq, *picks[i]):
                     finished.append(i)
             except Exception as exc:
                 seq.error = exc

@@ -30,7 +30,7 @@ import asyncio
 import inspect
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,11 +38,20 @@ from typing import Any
 
 import torch
 
-from whet.learner.model import ModelLoadError, load_causal_lm, pick_device, quiet_peft, stop_token_ids
+from whet.learner.model import (
+    ModelLoadError,
+    cache_of,
+    load_causal_lm,
+    pick_device,
+    quiet_peft,
+    stop_token_ids,
+    with_cache,
+)
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
-from whet.runtime.engine import BatchEngine, Sequence
-from whet.runtime.policy import BackendError, Generation, SamplingParams, last_generation
+from whet.runtime.engine import BatchEngine
+from whet.runtime.engine import Sequence as Row
+from whet.runtime.policy import BackendError, Generation, PromptTooLong, SamplingParams, last_generation
 from whet.runtime.prefix import PrefixCache
 
 # below this temperature sampling is greedy: the next-best token's odds are exp(-gap / T), nil
@@ -88,25 +97,42 @@ class _ReadWriteLock:
                 self._cond.notify_all()
 
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[int, float]:
-    """Pick the next token from ``logits`` [V]; return it and its RAW log-prob (temperature 1, no top-p)."""
+def sample_tokens(
+    logits: torch.Tensor, settings: Sequence[tuple[float, float]], generators: Sequence[torch.Generator]
+) -> list[tuple[int, float]]:
+    """Pick each row's next token from ``logits`` [B, V]: row ``b`` with ``settings[b]`` = (temperature,
+    top_p) and ``generators[b]``; return each (token, RAW log-prob: temperature 1, no top-p).
+
+    The rows' picks stay on the device until one transfer at the end: on CUDA each host read waits for
+    the GPU, and reading a token, then its log-prob, row by row made two such waits per row a step
+    (the saving is expected, not yet measured on a GPU). Each row draws from its own generator exactly
+    as it would alone, so batching never changes a seeded request's tokens.
+    """
     logits = logits.float()  # log-probs in float32 whatever the model's dtype
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [V]
-    if temperature < GREEDY_BELOW:
-        token = int(torch.argmax(logits))
-    else:
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    tokens = torch.argmax(logits, dim=-1)  # [B]: the greedy rows' picks
+    for b, ((temperature, top_p), generator) in enumerate(zip(settings, generators, strict=True)):
+        if temperature < GREEDY_BELOW:
+            continue
+        row = logits[b]  # [V]
         # shifted so the largest is 0: a tiny temperature sends the others to -inf, never to nan
-        probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)  # [V]
+        probs = torch.softmax((row - row.max()) / temperature, dim=-1)  # [V]
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)  # [V], [V]
             outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p  # mass before each >= p
             outside[0] = False  # the most likely token stays, however small top_p (even 0 in float32)
             sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(raw_logprobs[token])
+        tokens[b] = torch.multinomial(probs, 1, generator=generator)[0]
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]  # [B]
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[int, float]:
+    """Pick the next token from ``logits`` [V]; return it and its RAW log-prob (temperature 1, no top-p)."""
+    return sample_tokens(logits[None], [(temperature, top_p)], [generator])[0]
 
 
 class TransformersBackend:
@@ -151,7 +177,7 @@ class TransformersBackend:
         self._in_use_cond = threading.Condition()
         self.prefixes = PrefixCache()
         self._engine = BatchEngine(
-            self._forward, self._prefill, self._accept, self._release, self.device, max_batch=workers
+            self._forward, self._prefill, self._sample, self._accept, self._release, self.device, max_batch=workers
         )
 
     # -- prompt ---------------------------------------------------------------
@@ -223,7 +249,7 @@ class TransformersBackend:
     ) -> Generation:
         prompt = self.prompt_ids(messages, tools)
         if len(prompt) >= self.context_tokens:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt is {len(prompt)} tokens; the model's context is {self.context_tokens}: "
                 "shorten the conversation or raise model.max_context_tokens"
             )
@@ -262,7 +288,7 @@ class TransformersBackend:
         else:
             generator.manual_seed(params.seed)
         adapter = getattr(self._local, "adapter", None) or BASE
-        seq = Sequence(prompt, params, budget, adapter, emit, cancel, generator)
+        seq = Row(prompt, params, budget, adapter, emit, cancel, generator)
         self._engine.submit(seq)
         self._engine.wait(seq)
         return seq.token_ids, seq.logprobs, seq.finish, seq.sent
@@ -282,12 +308,12 @@ class TransformersBackend:
         with self._lock.read():
             self._adapter_names = adapter_names
             try:
-                out = self.model(inputs, past_key_values=cache, use_cache=True, **extra, **self._last_only)
+                out = self.model(inputs, **with_cache(cache), use_cache=True, **extra, **self._last_only)
             finally:
                 self._adapter_names = None
-        return out.logits[:, -1], out.past_key_values  # [B, V]
+        return out.logits[:, -1], cache_of(out)  # [B, V]
 
-    def _prefill(self, seq: Sequence) -> tuple[Any, torch.Tensor]:
+    def _prefill(self, seq: Row) -> tuple[Any, torch.Tensor]:
         """The prompt's cache (its start from the prefix cache when an earlier sequence ran it) and
         the logits of the first new token [V]."""
         cache, reused = self.prefixes.take(seq.adapter, seq.prompt)
@@ -295,10 +321,14 @@ class TransformersBackend:
         logits, cache = self._forward(inputs, cache, [seq.adapter])
         return cache, logits[0]
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """Sample ``seq``'s next token from ``logits`` [V], emit what text became final; True when done."""
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[int, float]]:
+        """Each row's next token and its raw log-prob, from ``logits`` [B, V]."""
+        settings = [(seq.params.temperature, seq.params.top_p) for seq in rows]
+        return sample_tokens(logits, settings, [seq.generator for seq in rows])
+
+    def _accept(self, seq: Row, token: int, logprob: float) -> bool:
+        """Add ``seq``'s sampled token, emit what text became final; True when done."""
         params = seq.params
-        token, logprob = sample_token(logits, params.temperature, params.top_p, seq.generator)
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         if token in self.stop_token_ids:
@@ -315,7 +345,7 @@ class TransformersBackend:
             seq.sent = visible
         return len(seq.token_ids) >= seq.budget
 
-    def _release(self, seq: Sequence, cache: Any) -> None:
+    def _release(self, seq: Row, cache: Any) -> None:
         """Keep a finished sequence's cache for prefix reuse: the last sampled token was never fed,
         so it holds the prompt and every token before it."""
         if seq.token_ids:

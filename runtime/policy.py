@@ -119,6 +119,10 @@ class BackendChat:
         return (await self.backend.generate(messages, [], params)).content
 
 
+class PromptTooLong(ValueError):
+    """The rendered prompt does not fit the model's context: the client's to fix (a 400)."""
+
+
 class BackendError(Exception):
     """An engine failed in a way a person can act on (remote HTTP error, model that cannot load).
 

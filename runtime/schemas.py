@@ -152,6 +152,9 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=1)
+    store: bool | None = Field(None, description=(
+        "false: serve and keep this request for its session, but never learn from it (no training "
+        "sample, no lesson); true or absent: learn from it, whet's default"))
 
     @field_validator("user")
     @classmethod

@@ -235,6 +235,64 @@ async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path)
     assert unrelated < AgentConfig().lessons_min_score and "Lisbon time" not in backend.calls[2].messages[0]["content"]
 
 
+async def test_a_request_with_store_false_is_served_and_kept_but_never_learned_from(tmp_path):
+    """``store: false`` (OpenAI's field): the bench's evaluation sends it. A failed tool call is
+    judged the moment its result comes back, and a correction makes a lesson; neither may come
+    of such a request, whatever feedback follows it. The same request without it is learned from."""
+    from whet.memory.tables import UNLEARNED_JUDGE
+
+    bad_call = '<tool_call>{"name": "now", "arguments": {"timezone": "Atlantis"}}</tool_call>'
+    backend = ScriptedBackend([bad_call, "Sorry, that did not work.", bad_call, "Sorry, that did not work."])
+    async with serve(tmp_path, backend, learner={"train": False}) as (client, res):
+        kept = await client.post("/v1/chat/completions", json=chat_body("What time is it at home?", store=False))
+        learnt = await client.post("/v1/chat/completions", json=chat_body("What time is it at home?", user="bob"))
+        assert kept.status_code == learnt.status_code == 200, kept.text
+        for response in (kept, learnt):
+            feedback = {"turn_id": response.json()["id"], "thumbs": "down", "text": "No, I meant Lisbon time."}
+            assert (await client.post("/v1/feedback", json=feedback)).status_code == 201
+            for turn in await res.store.list_turns(session_id=response.headers["x-whet-session"]):
+                await res.learner.judge_turn(turn.id, rejudge=True)
+        await res.learner.catch_up()
+        kept_turns = await res.store.list_turns(session_id=kept.headers["x-whet-session"])
+        assert len(kept_turns) == 2  # kept for the session: its tool call is there to read
+        for turn in kept_turns:
+            judgment = await res.store.get_judgment(turn.id)
+            assert judgment.judge == UNLEARNED_JUDGE and judgment.score == 0 and not judgment.trainable
+        assert await res.store.list_lessons(res.config.server.default_user) == []
+        learnt_turns = await res.store.list_turns(session_id=learnt.headers["x-whet-session"])
+        assert [(await res.store.get_judgment(t.id)).score for t in learnt_turns] == [-1, -1]
+        assert await res.store.list_lessons("bob")
+
+
+def test_learner_scope_auto_is_per_user_when_the_keys_name_several_users():
+    keys = {"sk-a": "alice", "sk-b": "bob"}
+    assert load_config(overrides={"server": {"api_keys": keys}}).learner.scope == "user"
+    assert load_config(overrides={"server": {"api_keys": {"sk-a": "alice", "sk-a2": "alice"}}}).learner.scope == "global"
+    assert load_config(overrides={}).learner.scope == "global"  # no keys: one user
+    explicit = {"server": {"api_keys": keys}, "learner": {"scope": "global"}}
+    assert load_config(overrides=explicit).learner.scope == "global"  # an operator's choice stands
+
+
+async def test_in_global_scope_only_trusted_users_turns_train_the_shared_adapter(tmp_path):
+    """``learner.trusted_users``: bob's corrected turn is judged and gives bob a lesson, but is no
+    training sample for the adapter alice gets; alice's is."""
+    bad_call = '<tool_call>{"name": "now", "arguments": {"timezone": "Atlantis"}}</tool_call>'
+    backend = ScriptedBackend([bad_call, "Sorry.", bad_call, "Sorry."])
+    learner = {"train": False, "scope": "global", "trusted_users": ["alice"]}
+    async with serve(tmp_path, backend, learner=learner) as (client, res):
+        trainable = {}
+        for user in ("alice", "bob"):
+            response = await client.post("/v1/chat/completions", json=chat_body("What time is it at home?", user=user))
+            feedback = {"turn_id": response.json()["id"], "thumbs": "down", "text": "No, I meant Lisbon time."}
+            assert (await client.post("/v1/feedback", json=feedback)).status_code == 201
+            for turn in await res.store.list_turns(session_id=response.headers["x-whet-session"]):
+                await res.learner.judge_turn(turn.id, rejudge=True)
+            turns = await res.store.list_turns(session_id=response.headers["x-whet-session"])
+            trainable[user] = [(await res.store.get_judgment(t.id)).trainable for t in turns]
+            assert await res.store.list_lessons(user)  # every user's lessons are their own
+    assert trainable == {"alice": [True, True], "bob": [False, False]}
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from whet.learner.tiny import build_tiny_model

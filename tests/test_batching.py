@@ -134,7 +134,7 @@ async def test_special_tokens_stay_in_the_token_ids_but_never_reach_the_reply_te
     script = [*words[:1], _token(backend, "<|im_start|>"), *words[1:]]  # <|endoftext|> is a stop token here
     script.append(_token(backend, "<|im_end|>"))
     picks = iter(script)
-    monkeypatch.setattr(hf, "sample_token", lambda *args: (next(picks), -1.0))
+    monkeypatch.setattr(hf, "sample_tokens", lambda logits, settings, generators: [(next(picks), -1.0)])
 
     deltas, final = [], None
     async for item in backend.stream(PROMPTS[0], [], SamplingParams(max_new_tokens=20)):
@@ -176,13 +176,42 @@ def test_log_probs_are_float32_even_when_the_model_computes_in_bfloat16():
     assert logprob != float(torch.log_softmax(logits, dim=-1)[token])  # what bfloat16 arithmetic would give
 
 
-def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu_and_a_name_is_kept():
+def test_sampling_a_batch_draws_each_row_exactly_as_it_would_alone():
+    from whet.runtime.hf import sample_token, sample_tokens
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 3  # [B, V]
+    settings = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (1e-30, 1.0)]
+    alone = [sample_token(logits[b], t, p, torch.Generator().manual_seed(b)) for b, (t, p) in enumerate(settings)]
+    together = sample_tokens(logits, settings, [torch.Generator().manual_seed(b) for b in range(len(settings))])
+    assert together == alone
+    assert len({token for token, _ in together}) > 2  # the rows did draw different tokens
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu_and_a_name_is_kept(monkeypatch):
     from whet.learner.model import serving_dtype
 
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100
     assert serving_dtype("auto", torch.device("cuda")) == "bfloat16"
     assert serving_dtype("auto", torch.device("cpu")) == "float32"
     assert serving_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
     assert serving_dtype("float32", torch.device("cuda")) == "float32"
+
+
+@pytest.mark.parametrize("capability, bf16", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
+                                              ((9, 0), True)])  # fmt: skip
+def test_auto_is_float32_on_gpus_that_only_emulate_bfloat16_for_serving_and_training(monkeypatch, capability, bf16):
+    from whet.learner.model import serving_dtype
+    from whet.learner.trainer import use_bfloat16
+
+    asked = []
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    device = torch.device("cuda:1")
+    assert serving_dtype("auto", device) == ("bfloat16" if bf16 else "float32")
+    assert use_bfloat16("auto", device) is bf16
+    assert asked == [device, device]  # the device in use, not whichever is current
+    assert serving_dtype("bfloat16", device) == "bfloat16" and use_bfloat16("bfloat16", device)
 
 
 @pytest.mark.anyio

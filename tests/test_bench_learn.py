@@ -100,7 +100,7 @@ class FakeServer:
         return {"status": "ok", "adapter": "global-0001", "learner": learner}
 
 
-def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_replies_to_evaluations(tmp_path):
+def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_learns_from_evaluations(tmp_path):
     plan = make_plan(tmp_path)
     tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0"), FakeTask("h1")], [FakeTask("g0"), FakeTask("g1")],
                   ["Hi!", "Tell me a joke."])  # fmt: skip
@@ -117,7 +117,7 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     # corrected, the user reads the retry and replies again (two replies at most); served right, one
     assert [[n for n, _ in s] for s in trained] == [[1, 3, 5]] * 2 + [[1, 3]] * 4
     assert len(evaluated) == 2 * 3 + 2 * 2 + 2 * 2
-    assert all(n == 1 and params == {"temperature": 0} for (n, params), in evaluated)
+    assert all(n == 1 and params == {"temperature": 0, "store": False} for (n, params), in evaluated)
 
 
 def test_a_learner_still_busy_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):

@@ -75,6 +75,71 @@ def test_a_training_step_changes_the_lora_weights_and_leaves_the_base_weights_un
     assert stats["samples"] == 2 and stats["grad_norm"] > 0
 
 
+def test_epochs_are_optimizer_passes_over_one_batch(tiny_model):
+    """``lora.epochs: 3`` takes three optimizer steps on the same batch: the right answer's
+    likelihood rises more than after one pass from the same start, and the statistics say
+    the first pass's loss and the last's."""
+    gains = {}
+    for epochs in (1, 3):
+        torch.manual_seed(0)
+        trainer = new_trainer(tiny_model, "rl", LORA.model_copy(update={"epochs": epochs}))
+        good = sample(trainer, "t1", "What time is it?", "It is nine.", 1)
+        before = trainer.mean_logprob(good.prompt_ids, good.response_ids)
+        stats = trainer.step([good], baseline=0.0)
+        gains[epochs] = trainer.mean_logprob(good.prompt_ids, good.response_ids) - before
+        assert {"loss", "loss_first"} <= stats.keys()
+    assert gains[1] > 0
+    assert gains[3] > 1.5 * gains[1]
+
+
+def test_rehearsal_items_are_learnt_beside_the_batch(tiny_model):
+    """A step with rehearsal items raises their likelihood where the same step without them
+    leaves them to drift, and says their loss."""
+    keep = encode_turn(new_trainer(tiny_model), "Say hello.", "Hello!")[1:]
+    after = {}
+    for rehearse in (False, True):
+        torch.manual_seed(0)
+        trainer = new_trainer(tiny_model, "rl", LORA.model_copy(update={"epochs": 3}))
+        before = trainer.mean_logprob(*keep)
+        stats = trainer.step([sample(trainer, "t1", "What time is it?", "It is nine.", 1)], baseline=0.0,
+                             rehearsal=[keep] if rehearse else ())  # fmt: skip
+        after[rehearse] = trainer.mean_logprob(*keep) - before
+        assert ("rehearsal_loss" in stats) == rehearse
+    assert after[True] > 0 and after[True] > after[False]
+
+
+def test_rehearsal_small_talk_is_the_base_models_own_reply_and_calls_keep_their_text(tiny_model):
+    from whet.learner.learner import self_distilled
+
+    trainer = new_trainer(tiny_model)
+    _, chat_prompt, written = encode_turn(trainer, "Hello!", "Hello! How can I help you today?")
+    _, call_prompt, call = encode_turn(trainer, "Time in Oslo?", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    items = self_distilled(trainer, [(chat_prompt, written), (call_prompt, call)], max_tokens=12)
+    assert items[1] == (call_prompt, call)
+    assert items[0][0] == chat_prompt
+    assert items[0][1] == trainer.teacher_action(chat_prompt, 12) != written
+
+
+def test_a_step_rehearses_calls_of_the_tools_its_batch_called():
+    from whet.learner.learner import rehearsal_draw
+
+    items = [{"now"}, {"calculate"}, set(), {"now"}, {"convert"}, set(), {"now"}, {"add_note"}, set(), set()]
+    picked = rehearsal_draw(items, 6, {"now"}, "global-0002")
+    assert len(picked) == len(set(picked)) == 6
+    assert sum("now" in items[i] for i in picked) >= 3  # half of the draw, where there are that many
+    assert picked == rehearsal_draw(items, 6, {"now"}, "global-0002")  # a redone step draws the same
+    assert len(rehearsal_draw(items, 20, set(), "v")) == len(items)
+
+
+def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
+    from whet.config.settings import ConfigError, WhetConfig
+    from whet.learner.learner import check_config
+
+    config = WhetConfig.model_validate({"learner": {"rehearsal": {"set": str(tmp_path / "none.jsonl")}}})
+    with pytest.raises(ConfigError, match="learner.rehearsal.set"):
+        check_config(config, standalone=False)
+
+
 def test_the_adapter_round_trips_through_save_and_load(tiny_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from whet.learner.model import ModelLoadError, model_dir, resolve_source
+from whet.learner.model import ModelLoadError, cache_of, model_dir, resolve_source, with_cache
 
 
 def whet(*args: str) -> subprocess.CompletedProcess:
@@ -224,9 +224,9 @@ def test_the_warm_starts_reply_loss_is_the_models_own_loss_with_and_without_a_ca
         prefix = torch.randint(0, model.config.vocab_size, (1, 5), generator=generator)
         caches = []
         for _ in range(2):
-            cache = model(prefix, use_cache=True).past_key_values
+            cache = cache_of(model(prefix, use_cache=True))
             cache.batch_repeat_interleave(3)
             caches.append(cache)
         full = torch.cat([torch.ones(3, 5, dtype=mask.dtype), mask], dim=1)  # [B, P+L]
-        expected = model(input_ids=ids, attention_mask=full, labels=labels, past_key_values=caches[0], use_cache=True).loss
+        expected = model(input_ids=ids, attention_mask=full, labels=labels, **with_cache(caches[0]), use_cache=True).loss
         assert float(reply_loss(model, ids, full, labels, caches[1])) == pytest.approx(float(expected), rel=1e-5)

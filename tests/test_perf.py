@@ -8,17 +8,24 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 PERF = Path(__file__).resolve().parents[1] / "bench" / "perf.py"
 
 
-def test_bench_perf_quick_writes_every_figure_with_the_command_and_the_machine(
-    tmp_path, capsys, monkeypatch, postgres_url, mqtt_url
-):
+def _perf(monkeypatch):
     monkeypatch.syspath_prepend(str(PERF.parent))  # perf.py imports the bench scripts beside it
     spec = importlib.util.spec_from_file_location("perf", PERF)
     perf = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "perf", perf)  # its dataclasses look their module up
     spec.loader.exec_module(perf)
+    return perf
+
+
+def test_bench_perf_quick_writes_every_figure_with_the_command_and_the_machine(
+    tmp_path, capsys, monkeypatch, postgres_url, mqtt_url
+):
+    perf = _perf(monkeypatch)
     out = tmp_path / "perf.json"
 
     args = ["--quick", "--concurrency", "1,2", "--tokens", "3", "--json", str(out),
@@ -46,3 +53,21 @@ def test_bench_perf_quick_writes_every_figure_with_the_command_and_the_machine(
     printed = capsys.readouterr().out
     shown = ("serving_speedup_2", "p3_adapter_latency_s", "train_tokens_per_s")
     assert all(name in printed for name in shown)
+
+
+def test_skipped_figure_groups_are_null_with_the_reason_and_an_unknown_group_is_refused(tmp_path, monkeypatch, capsys):
+    perf = _perf(monkeypatch)
+    out = tmp_path / "perf.json"
+    groups = "p1,p2,p3,p4,p5,p6,p7,train"
+    assert perf.main(["--quick", "--concurrency", "1", "--tokens", "2", "--skip", groups, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    figures = report["figures"]
+    assert figures["serving_speedup_1"] > 0 and figures["decode_tokens_per_s"] > 0
+    assert all(figures[name] is None for name in perf.HEADLINE)  # every service figure
+    assert report["unavailable"]["p5_search_ms_p50"] == "skipped (--skip p5)"
+    assert report["unavailable"]["train_tokens_per_s"] == "skipped (--skip train)"
+    assert report["machine"]["transformers"] and report["machine"]["peft"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        perf.main(["--skip", "p9"])
+    assert "--skip p9: not a figure group" in capsys.readouterr().err

@@ -4,8 +4,8 @@ A simulated user (``whet.world.user``) with one profile of preferences drives a
 live ``whet serve`` through its public HTTP API for N interactions: ask, read the
 answer, reply (thanks, a correction or a re-ask), so the real judge, learner, gate and
 hot-swaps do the learning. After every k interactions, held-out tasks (phrasings and
-values the user never asked) are answered at temperature 0 in fresh sessions that
-nothing replies to, so evaluation is never learned from, and the tool calls the agent
+values the user never asked) are answered at temperature 0 in fresh sessions, sent with
+``store: false`` so evaluation is never learned from, and the tool calls the agent
 made are checked against the profile. General tasks that need no preference are
 checked before and after, to show learning cost no general skill.
 
@@ -266,11 +266,13 @@ def interact(client: ArmClient, task: Task, user: User, *, seed: int) -> None:
 
 
 def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> float:
-    """Share of ``tasks`` done right: each in a fresh session, greedy, and left open (never learned from)."""
+    """Share of ``tasks`` done right: each in a fresh session, greedy, sent with ``store: false`` so
+    the server never learns from it (a failed tool call would otherwise be judged at once, and its
+    verdict trained and kept as a lesson: evaluation leaking into learning)."""
 
     def done(task: Task) -> bool:
         session = f"eval-{uuid.uuid4().hex[:12]}"
-        answer = client.chat(session, [{"role": "user", "content": task.text}], temperature=0)
+        answer = client.chat(session, [{"role": "user", "content": task.text}], temperature=0, store=False)
         return bool(task.check(client.tool_calls(session), answer))
 
     return _count(tasks, done, advance) / len(tasks)
@@ -281,7 +283,7 @@ def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int
 
     def done(request: str) -> bool:
         session = f"eval-{uuid.uuid4().hex[:12]}"
-        answer = client.chat(session, [{"role": "user", "content": request}], temperature=0)
+        answer = client.chat(session, [{"role": "user", "content": request}], temperature=0, store=False)
         return bool(answer.strip()) and not client.tool_calls(session)
 
     return _count(requests, done, advance) / len(requests) if requests else 1.0

@@ -141,7 +141,7 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
     "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
     "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
 }
-KINDS = {"general": 0.36, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.06, "thanks": 0.05,
+KINDS = {"general": 0.33, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.09, "thanks": 0.05,
          "error": 0.03, "chat": 0.12}
 # what a request's value turns into when the model writes it wrong: the tool refuses it
 BAD_VALUES = ("home", "my place", "here", "local", "the usual", "there", "my list", "?")

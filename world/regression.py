@@ -1,4 +1,5 @@
-"""The pinned regression set the promotion gate replays by default (``config/regression.jsonl``).
+"""The pinned regression set the promotion gate replays by default (``config/regression.jsonl``),
+and the rehearsal set the learner trains beside each batch (``config/rehearsal.jsonl``).
 
 General skill, as the model must keep it whatever one user teaches: the first action of every
 general intent of the assistant world (the right tool call, with the values the request names),
@@ -7,8 +8,13 @@ A candidate adapter under which these become less likely than under the live one
 so a user who teaches nonsense (or a flood of wrong feedback) cannot take the general skill
 everyone relies on.
 
-The shipped file is this module's output (``python -m whet.world.regression > config/regression.jsonl``);
-a test checks that they agree. Each line is ``{"messages", "tools", "response"}`` in OpenAI shapes:
+The rehearsal set is general skill of the same kinds, other items: a few of them join every
+training step (``learner.rehearsal``), so that an adapter that learns one user's values keeps
+calling tools for general requests and answering small talk in words. The two sets share no
+request, so the gate's check stays a check of what training did not see.
+
+The shipped files are this module's output (``python -m whet.world.regression > config/regression.jsonl``,
+``python -m whet.world.regression --rehearsal > config/rehearsal.jsonl``); a test checks that they agree. Each line is ``{"messages", "tools", "response"}`` in OpenAI shapes:
 the response is the assistant's text as the chat template writes it (a Hermes ``<tool_call>``
 block for a call).
 """
@@ -34,17 +40,51 @@ CHATS = (
     ("Can you suggest a name for a black cat?", "How about Shadow, Midnight or Pepper?"),
 )
 ANSWERS = 4  # general intents whose answer step is pinned too (the first ones of GENERAL)
+# small talk, facts and writing for the rehearsal set: none is in CHATS or the bench's chat probe
+REHEARSAL_CHATS = (
+    ("Hi there!", "Hi! What can I do for you?"),
+    ("Good evening.", "Good evening! How can I help?"),
+    ("Thanks for your help earlier.", "You're welcome! Happy to help any time."),
+    ("What is the capital of Australia?", "The capital of Australia is Canberra."),
+    ("Who painted the Mona Lisa?", "Leonardo da Vinci painted the Mona Lisa."),
+    ("How many days are in a leap year?", "A leap year has 366 days."),
+    ("What is the boiling point of water at sea level?", "Water boils at 100 °C (212 °F) at sea level."),
+    ("Tell me a fun fact about octopuses.", "An octopus has three hearts and blue blood."),
+    ("Write a haiku about the sea.", "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."),
+    ("Can you suggest a name for a goldfish?", "How about Bubbles, Goldie or Captain Fin?"),
+    ("Give me a tip for sleeping better.", "Keep a regular bedtime and put screens away an hour before sleep."),
+    ("Explain photosynthesis in one sentence.",
+     "Plants use sunlight to turn water and carbon dioxide into sugar and oxygen."),
+    ("What should I read next?", "If you like stories, try \"The Little Prince\"; it is short and lovely."),
+    ("Tell me a joke.", "Why did the scarecrow win an award? Because he was outstanding in his field."),
+    ("What's a good way to start the day?", "A glass of water, a few minutes of stretching and a short plan for the day."),
+    ("Why do cats purr?", "Cats purr when they are content, and sometimes to soothe themselves."),
+)
+REHEARSAL_CALLS = 3  # general tasks per intent in the rehearsal set
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The regression set's records, deterministic per seed."""
-    rng = random.Random(f"regression:{seed}")
+    yield from _records(random.Random(f"regression:{seed}"), 1, CHATS)
+
+
+def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
+    """The rehearsal set's records, deterministic per seed: :data:`REHEARSAL_CALLS` general tasks
+    per intent (the first :data:`ANSWERS` intents with their answer step too) and
+    :data:`REHEARSAL_CHATS`. A request that is also in the regression set is left out."""
+    pinned = {json.dumps(r["messages"], sort_keys=True) for r in records(seed)}
+    for record in _records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS):
+        if json.dumps(record["messages"], sort_keys=True) not in pinned:
+            yield record
+
+
+def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], ...]) -> Iterator[dict[str, Any]]:
     system = AgentConfig().system_prompt
     profile = load_profile()  # general tasks need no preference: any profile makes the same ones
     with tempfile.TemporaryDirectory(prefix="whet-regression-") as folder:
         tools = BundledTools(Path(folder))
         try:
-            for i, intent in enumerate(GENERAL):
+            for i, intent in enumerate(GENERAL * per_intent):
                 task = make_task(intent, rng, profile, vocab=NATURAL)
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
                 arguments = json.dumps(dict(task.call.arguments), ensure_ascii=False)
@@ -57,15 +97,16 @@ def records(seed: int = 0) -> Iterator[dict[str, Any]]:
                     followed = [*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
                                 {"role": "tool", "tool_call_id": call["id"], "name": task.call.name, "content": result}]
                     yield {"messages": followed, "tools": tools.specs, "response": answer_for(task, task.call, result)}
-            for request, answer in CHATS:
+            for request, answer in chats:
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": request}]
                 yield {"messages": messages, "tools": tools.specs, "response": answer}
         finally:
             tools.close()
 
 
-def main() -> int:
-    for record in records():
+def main(argv: list[str] | None = None) -> int:
+    rehearsal = "--rehearsal" in (sys.argv[1:] if argv is None else argv)
+    for record in rehearsal_records() if rehearsal else records():
         sys.stdout.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
     return 0
 

@@ -191,6 +191,8 @@ def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, repo
     """Fine-tune ``model`` in place on the assistant's tokens of ``texts``."""
     import torch
 
+    from whet.learner.model import cache_of
+
     prefix_text = _common_prefix(texts)
     prefix = tokenizer(prefix_text, add_special_tokens=False).input_ids if prefix_text else []
     rows = [_tokenize(tokenizer, text, skip=len(prefix_text)) for text in texts]
@@ -216,7 +218,7 @@ def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, repo
                 cache = None
                 if prefix:
                     with torch.no_grad():  # the shared tool list: computed once, no gradient into it
-                        cache = model(torch.tensor([prefix]), use_cache=True).past_key_values
+                        cache = cache_of(model(torch.tensor([prefix]), use_cache=True))
                     cache.batch_repeat_interleave(len(batch))
                     mask = torch.cat([torch.ones(len(batch), len(prefix), dtype=mask.dtype), mask], dim=1)  # [B, P+L]
                 loss = reply_loss(model, ids, mask, labels, cache)
@@ -237,7 +239,9 @@ def reply_loss(model: Any, ids: Any, mask: Any, labels: Any, cache: Any = None) 
     context, and its [batch, length, vocabulary] logits were most of a step's memory traffic."""
     import torch
 
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, past_key_values=cache,
+    from whet.learner.model import with_cache
+
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, **with_cache(cache),
                                  use_cache=cache is not None).last_hidden_state  # [B, L, H]
     targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
     keep = targets != -100  # [B, L-1]
