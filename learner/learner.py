@@ -103,6 +103,8 @@ class Learner:
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
+        if config.scope == "auto":  # WhetConfig resolves auto from server.api_keys; with none in sight, one user
+            config = config.model_copy(update={"scope": "global"})
         self.config = config
         self.store = store
         self.bus = bus
