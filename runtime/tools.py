@@ -382,7 +382,7 @@ class _Link:
         if self.status != "starting":
             return
         self.status = "failed"
-        self.error = f"start timed out: no answer within mcp.start_timeout ({self.start_timeout:g}s); still trying"
+        self.error = f"start timed out: no answer within mcp.start_timeout ({self.start_timeout:g}s)"
         self.attempted.set()
         self.on_change()
         log.warning("mcp.server.start_timeout", server=self.name, timeout=self.start_timeout)

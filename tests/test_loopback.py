@@ -3,7 +3,8 @@
 Two servers: one on a tiny local model (the real transformers path: token ids
 and log-probs recorded), and one whose policy is an OpenAI-compatible fake we
 script, so the agent deterministically calls the third-party `mcp-server-time`
-through an mcpServers file.
+through an mcpServers file, or (start-up) the tools of servers that start at
+once, late, or never.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MCP client pool: naming, calls, errors, timeouts, refresh, stdio servers, restarts."""
+"""The MCP client pool: start-up, naming, calls, errors, timeouts, refresh, stdio servers, restarts."""
 
 from __future__ import annotations
 
