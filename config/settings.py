@@ -187,6 +187,8 @@ class McpConfig(Section):
     call_timeout: float = Field(30.0, gt=0)
     max_result_chars: int = Field(16_000, gt=0)
     start_timeout: float = Field(20.0, gt=0)
+    # whet serves at once; a chat in the first start_wait seconds waits for servers still starting
+    start_wait: float = Field(10.0, ge=0)
     restart_backoff_max: float = Field(30.0, gt=0)
     # tools that run only once a person approves the call: "server.tool" or "server.*"; tools
     # annotated destructiveHint: true need approval too unless approve_destructive is false

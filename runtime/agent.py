@@ -314,6 +314,8 @@ class Agent:
         return chosen
 
     async def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if starting := await self.tools.settle():
+            log.warning("mcp.tools.still_starting", servers=starting, note="answering with the tools that are ready")
         infos = self.tools.tools()
         if len(infos) > self.config.tools_k:
             query = last_user_text(messages)

@@ -284,18 +284,21 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/tools")
     async def tools(res: ResourcesDep, auth_user: AuthDep) -> list[ToolPublic]:
+        """The ready tools; right after start, once the servers still starting are ready (as a chat sees them)."""
+        await res.tools.settle()
         return [ToolPublic.model_validate(t, from_attributes=True) for t in res.tools.tools()]
 
     @app.get("/health")
     async def health(res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
-        """200 while serving; ``status`` "degraded" (with each reason in ``server_errors``) when a
-        tool server is not ready, so its tools are missing from answers."""
-        errors = res.tools.errors()
+        """200 while serving, at once (never waits for tool servers); ``status`` is "starting" while a
+        tool server is on its first start, "degraded" while one failed or is restarting (each reason
+        in ``server_errors``), so its tools are missing from answers, else "ok"."""
+        servers, errors = res.tools.status(), res.tools.errors()
         return {
-            "status": "degraded" if errors else "ok",
+            "status": _overall(servers),
             "model": res.model_name,
             "adapter": res.adapters.live_version(),
-            "servers": res.tools.status(),
+            "servers": servers,
             "server_errors": errors,
             "uptime_s": round(time.time() - res.started_at, 1),
             "learner": await res.learner.status() if res.learner else None,
@@ -304,9 +307,17 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
+        res.metrics.tool_servers(res.tools.status())
         steps = (await res.learner.status())["steps"] if res.learner else None
         res.metrics.learning(await res.store.learning_counts(), res.adapters.live_version(), steps)
         return Response(res.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _overall(servers: dict[str, str]) -> str:
+    """The service's status from its tool servers' states: a broken one outweighs a starting one."""
+    if any(state in ("failed", "restarting") for state in servers.values()):
+        return "degraded"
+    return "starting" if "starting" in servers.values() else "ok"
 
 
 def _install_approval_routes(app: FastAPI) -> None:

@@ -146,11 +146,11 @@ def _mcp_fix(spec: McpServerSpec, why: str, path: Path, config: WhetConfig) -> s
             return f"'{transport.command}' was not found: install it or give its full path ({where}.command)"
         if "PermissionError" in why:
             return f"'{transport.command}' is not executable: chmod +x it, or fix {where}.command"
-        if why in ("starting", "restarting"):
+        if why in ("starting", "restarting") or "mcp.start_timeout" in why:
             return (f"it did not answer within mcp.start_timeout ({config.mcp.start_timeout:g}s): run `{command}` "
                     "by hand to see whether it speaks MCP on stdio, or raise mcp.start_timeout")  # fmt: skip
         return f"it exited or broke off during start-up: run `{command}` by hand to see its error, then fix {where}"
-    if why in ("starting", "restarting"):
+    if why in ("starting", "restarting") or "mcp.start_timeout" in why:
         return f"{transport.url} did not answer within mcp.start_timeout: check the server runs, or raise the timeout"
     return f"check that {transport.url} is up and serves MCP ({transport.type}), and the headers in {where}"
 

@@ -39,6 +39,10 @@ class Metrics:
         )
         self.feedback = Counter("whet_feedback", "Feedback received", registry=self.registry)
         self.tools_available = Gauge("whet_tools_available", "MCP tools currently listed", registry=self.registry)
+        self.tool_server_state = Gauge(
+            "whet_tool_server_state", "Each MCP server's state (value 1 on its current state)", ["server", "state"],
+            registry=self.registry,
+        )
         self.judged = Gauge("whet_judged_turns", "Turns judged, by verdict (store)", ["verdict"], registry=self.registry)
         self.adapter_versions = Gauge(
             "whet_adapter_versions", "Adapter versions by status (store); each is one training step's result",
@@ -59,6 +63,12 @@ class Metrics:
 
     def tool_called(self, server: str, is_error: bool, tool: str = "unknown") -> None:
         self.tool_calls.labels(server, tool, "error" if is_error else "ok").inc()
+
+    def tool_servers(self, states: dict[str, str]) -> None:
+        """Set the server state gauge from ``ToolPool.status()``: one series per server, on its state."""
+        self.tool_server_state.clear()
+        for server, state in states.items():
+            self.tool_server_state.labels(server, state).set(1)
 
     def learning(self, counts: dict[str, dict[str, int]], live_version: str | None, steps: int | None) -> None:
         """Set the learning gauges from the store's counts (``Store.learning_counts``)."""

@@ -90,6 +90,7 @@ def configured_tool_pool(config: WhetConfig) -> ToolPool:
         max_result_chars=config.mcp.max_result_chars,
         start_timeout=config.mcp.start_timeout,
         restart_backoff_max=config.mcp.restart_backoff_max,
+        start_wait=config.mcp.start_wait,
     )
 
 
@@ -103,6 +104,11 @@ async def open_resources(
 ) -> AsyncIterator[Resources]:
     async with AsyncExitStack() as stack:
         config.data_path.mkdir(parents=True, exist_ok=True)
+        # first, so servers start while the rest opens; never waited on here, so the port opens
+        # at once and /health shows each server starting (a chat waits for them: ToolPool.settle)
+        tools = tools or configured_tool_pool(config)
+        await tools.start(wait=False)
+        stack.push_async_callback(tools.aclose)
         store = await anyio.to_thread.run_sync(open_store, config.store_url)
         stack.push_async_callback(store.aclose)
         bus = open_bus(config.bus.url, config.bus.client_id)
@@ -114,7 +120,6 @@ async def open_resources(
         if backend is None:
             backend = await anyio.to_thread.run_sync(create_backend, config.model, config.data_path)
         stack.push_async_callback(backend.aclose)
-        tools = await stack.enter_async_context(tools or configured_tool_pool(config))
         adapters = AdapterRouter(backend, store, config.learner)
         stack.push_async_callback(adapters.aclose)  # pending unloads finish before the backend closes
         # entering reconciles adapters with the store (what a restart needs), then follows bus and store
@@ -131,8 +136,8 @@ async def open_resources(
         agent = Agent(backend, tools, experience, index, config.agent, metrics, adapters=adapters,
                       approvals=ApprovalPolicy.from_config(config.mcp))  # fmt: skip
         log.info(
-            "whet ready", model=config.model.name, tools=len(tools.tools()), lessons=len(index),
-            adapter=adapters.live_version(),
+            "whet ready", model=config.model.name, lessons=len(index), adapter=adapters.live_version(),
+            tools=len(tools.tools()), servers=tools.status(),  # "starting" ones are not ready yet: see /health
         )
         yield Resources(
             config=config, store=store, bus=bus, experience=experience, index=index, backend=backend,

@@ -98,11 +98,13 @@ class ToolPool:
         start_timeout: float = 20.0,
         restart_backoff_max: float = 30.0,
         restart_backoff_min: float = 0.5,
+        start_wait: float = 10.0,
         in_memory: Mapping[str, Any] | None = None,
     ) -> None:
         self.call_timeout = call_timeout
         self.max_result_chars = max_result_chars
         self.start_timeout = start_timeout
+        self.start_wait = start_wait
         self.restart_backoff_max = restart_backoff_max
         self.restart_backoff_min = min(restart_backoff_min, restart_backoff_max)
         in_memory = dict(in_memory or {})
@@ -115,6 +117,7 @@ class ToolPool:
         self._index: dict[str, tuple[ToolInfo, _Link]] = {}
         self._changed: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._opened_at = 0.0
         self.generation = 0
         """Bumped whenever the tool list or a server's status changes."""
 
@@ -125,14 +128,17 @@ class ToolPool:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def start(self) -> None:
-        """Connect every enabled server; return once each is ready or failed, or start_timeout passed.
+    async def start(self, *, wait: bool = True) -> None:
+        """Start every enabled server in the background; with ``wait``, return once each is
+        ready or failed (a server that gives no answer within start_timeout counts as failed).
 
-        A server that fails to start is logged and retried in the background.
+        ``whet serve`` passes ``wait=False``, so the port opens while servers start; a chat then
+        calls :meth:`settle` first. A server that fails to start is retried in the background.
         """
         if self._task_group is not None:
             raise RuntimeError("ToolPool.start() was already called")
         self._changed = anyio.Event()
+        self._opened_at = anyio.current_time()
         self._links = [
             _Link(
                 spec,
@@ -149,17 +155,43 @@ class ToolPool:
         self._task_group = task_group
         for link in self._links:
             task_group.start_soon(link.run, name=f"mcp server {link.name}")
+            task_group.start_soon(link.start_deadline, name=f"mcp server {link.name} start deadline")
+        if not wait:
+            task_group.start_soon(self._report_start, name="mcp start report")
+            return
         try:
-            with anyio.move_on_after(self.start_timeout):
-                for link in self._links:
-                    await link.attempted.wait()
+            await self._report_start()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
             raise
-        if waiting := [link.name for link in self._links if link.status == "starting"]:
-            log.warning("mcp.pool.start_timeout", servers=waiting, timeout=self.start_timeout)
+
+    async def _report_start(self) -> None:
+        """Log the pool's state once every server's first start ended (ready or failed)."""
+        for link in self._links:  # each link's start deadline bounds this wait
+            await link.attempted.wait()
         log.info("mcp.pool.started", status=self.status(), tools=len(self.tools()))
+
+    async def settle(self) -> list[str]:
+        """Wait for servers still on their first start, until ``start_wait`` seconds after the
+        pool started; return the names of those still starting then (their tools are missing).
+
+        A chat calls this before listing tools, so a server that is ready a moment after
+        ``whet serve`` opened its port is not missed, while a hanging one delays only the
+        first ``start_wait`` seconds of service, not every request until start_timeout.
+        """
+        if not self.starting():
+            return []
+        left = self._opened_at + min(self.start_wait, self.start_timeout) - anyio.current_time()
+        if left > 0:
+            with anyio.move_on_after(left):
+                for link in self._links:
+                    await link.attempted.wait()
+        return self.starting()
+
+    def starting(self) -> list[str]:
+        """The servers still on their first start (neither ready nor failed yet)."""
+        return [link.name for link in self._links if link.status == "starting"]
 
     async def aclose(self) -> None:
         """Stop every owner task; each closes its own client (and server process)."""
@@ -338,6 +370,22 @@ class _Link:
         if self.status == "failed":
             return f"server '{self.name}' failed to start ({self.error}); retrying in the background"
         return f"server '{self.name}' is restarting; try again shortly"
+
+    async def start_deadline(self) -> None:
+        """Call the first start failed once start_timeout passes without an answer.
+
+        The attempt itself goes on (a server that answers late still becomes ready, and a
+        first-run download is not killed); the handshake's own timeouts end a hung one, and the
+        backoff retries it.
+        """
+        await anyio.sleep(self.start_timeout)
+        if self.status != "starting":
+            return
+        self.status = "failed"
+        self.error = f"start timed out: no answer within mcp.start_timeout ({self.start_timeout:g}s)"
+        self.attempted.set()
+        self.on_change()
+        log.warning("mcp.server.start_timeout", server=self.name, timeout=self.start_timeout)
 
     def lose(self, generation: int, reason: str) -> None:
         """Mark connection ``generation`` broken; the owner closes it and reconnects."""

@@ -368,6 +368,7 @@ async def test_health_is_degraded_and_names_the_reason_when_a_tool_server_failed
     tools = ToolPool([broken], in_memory={"calc": calc.build_server()}, start_timeout=10)
     app = create_app(make_config(tmp_path), backend=ScriptedBackend(["hi"]), tools=tools, embedder=HashingEmbedder())
     async with app.router.lifespan_context(app):
+        await tools.settle()  # the pool starts in the background: let both servers' first starts end
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://whet") as client:
             response = await client.get("/health")
     assert response.status_code == 200  # still serving, with calc's tools

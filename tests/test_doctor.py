@@ -45,6 +45,7 @@ def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp
         "calc": CALC,
         "missing": {"command": "/nonexistent/whet-no-such-server"},
         "quits": {"command": sys.executable, "args": ["-c", "pass"]},  # exits at once
+        "hangs": {"command": sys.executable, "args": ["-c", "import time; time.sleep(3600)"]},  # never answers
     }
     code, checks = doctor_json(write_config(tmp_path, data_dir, servers))
     assert code == 1
@@ -55,6 +56,10 @@ def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp
     assert "mcpServers.missing" in missing["fix"]
     quits = checks["mcp server quits"]
     assert not quits["ok"] and "-c pass` by hand" in quits["fix"] and "mcpServers.quits" in quits["fix"]
+    hangs = checks["mcp server hangs"]
+    assert not hangs["ok"] and hangs["detail"].startswith("failed after 2")
+    assert "no answer within mcp.start_timeout (20s)" in hangs["detail"]
+    assert "did not answer within mcp.start_timeout (20s)" in hangs["fix"] and "raise mcp.start_timeout" in hangs["fix"]
     # everything else in this deployment is fine, and says so
     for name in ("config", "data dir", "store", "bus", "model"):
         assert checks[name]["ok"], checks[name]
@@ -65,7 +70,7 @@ def test_doctor_reports_broken_mcp_servers_with_their_fix_and_exits_non_zero(tmp
     assert (
         "FAIL" in table
         and "was not found" in table
-        and "2 failed: mcp server missing, mcp server quits" in table
+        and "3 failed: mcp server missing, mcp server quits, mcp server hangs" in table
     )
 
 

@@ -3,7 +3,8 @@
 Two servers: one on a tiny local model (the real transformers path: token ids
 and log-probs recorded), and one whose policy is an OpenAI-compatible fake we
 script, so the agent deterministically calls the third-party `mcp-server-time`
-through an mcpServers file.
+through an mcpServers file, or (start-up) the tools of servers that start at
+once, late, or never.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -163,16 +164,18 @@ def test_whet_serve_with_a_local_model_folder_serves_a_tool_using_turn(tmp_path,
             assert len(turn["response_logprobs"]) == len(turn["response_token_ids"]) > 0
 
 
-def scripted_openai_app() -> Starlette:
-    """An OpenAI-compatible policy that asks for the time in Lisbon, then reports the tool's answer."""
+def lisbon_time(body: dict) -> dict:
+    """Ask for the time in Lisbon, then report the tool's answer."""
+    last = body["messages"][-1]
+    if last["role"] == "tool":
+        return {"role": "assistant", "content": f"Lisbon time: {last['content'][:200]}"}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_current_time", "arguments": json.dumps({"timezone": "Europe/Lisbon"})}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
-    def reply(body: dict) -> dict:
-        last = body["messages"][-1]
-        if last["role"] == "tool":
-            return {"role": "assistant", "content": f"Lisbon time: {last['content'][:200]}"}
-        call = {"id": "call_1", "type": "function",
-                "function": {"name": "get_current_time", "arguments": json.dumps({"timezone": "Europe/Lisbon"})}}
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+def scripted_openai_app(reply: Callable[[dict], dict] = lisbon_time) -> Starlette:
+    """An OpenAI-compatible policy whose message is ``reply(request body)`` (plain or streamed)."""
 
     async def completions(request: Request):
         body = await request.json()
@@ -234,3 +237,76 @@ def test_a_third_party_mcp_server_from_an_mcpservers_file_is_listed_and_called(t
             tool_turn = next(t for t in turns if t["tool_calls"])
             assert tool_turn["next_state_kind"] == "tool_result"
             assert "Europe/Lisbon" in json.dumps(tool_turn["next_state"])
+
+
+def call_the_named_tool(body: dict) -> dict:
+    """Call the tool the user names ("call NAME") with 17*23, then report its result; about a tool
+    it was not offered, say so, so a test sees what was listed."""
+    last = body["messages"][-1]
+    if last["role"] == "tool":
+        return {"role": "assistant", "content": f"result: {last['content'][:200]}"}
+    offered = [t["function"]["name"] for t in body.get("tools") or []]
+    wanted = str(last.get("content") or "").removeprefix("call ").strip()
+    if wanted not in offered:
+        return {"role": "assistant", "content": f"not offered: {wanted}; offered: {','.join(offered)}"}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": wanted, "arguments": json.dumps({"expression": "17*23"})}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def test_whet_serves_at_once_while_an_mcp_server_hangs_at_start_and_waits_briefly_for_a_slow_one(tmp_path):
+    """A server that never answers initialize no longer holds the port closed for mcp.start_timeout:
+    /health answers at once and shows it starting (then failed, with the reason); a chat in the first
+    mcp.start_wait seconds waits for a server that is ready a few seconds late, and later chats are
+    answered at once with the ready servers' tools."""
+    start_timeout, start_wait = 20, 8
+    calc = {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}
+    slow = {"command": "${WHET_PYTHON}", "args": [
+        "-c", "import runpy, time; time.sleep(4); runpy.run_module('whet.servers.calc', run_name='__main__')"]}
+    hang = {"command": "${WHET_PYTHON}", "args": ["-c", "import time; time.sleep(3600)"]}  # never answers
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {"calc": calc, "slow": slow, "hang": hang}}))
+    with run_in_thread(scripted_openai_app(call_the_named_tool)) as policy_url:
+        config = {"model": {"backend": "openai", "id": "scripted-policy", "base_url": policy_url},
+                  "mcp": {"config": str(mcp_file), "start_timeout": start_timeout, "start_wait": start_wait},
+                  "learner": {"enabled": False}}  # fmt: skip
+        port = free_port()
+        spawned = time.monotonic()
+        proc, log_path = spawn_whet(tmp_path, config, "serve", "--port", str(port))
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base, proc, log_path, deadline_s=start_timeout)
+            health = httpx.get(f"{base}/health").json()
+            assert time.monotonic() - spawned < start_timeout / 2, "the port opened only after the servers started"
+            assert health["servers"]["hang"] == "starting" and health["servers"]["slow"] == "starting"
+            assert health["status"] == "starting" and health["server_errors"]["hang"] == "starting"
+
+            def chat(text: str) -> str:
+                body = {"model": "scripted-policy", "messages": [{"role": "user", "content": text}]}
+                response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["message"]["content"]
+
+            # the slow server is ready ~4 s after start: a chat now waits for it (up to start_wait)
+            assert '"result": 391' in chat("call slow__calculate")
+            assert httpx.get(f"{base}/health").json()["servers"]["hang"] == "starting"  # answered meanwhile
+            # past start_wait, a chat is answered at once with the servers that are ready
+            asked = time.monotonic()
+            assert '"result": 391' in chat("call calc__calculate")
+            assert time.monotonic() - asked < start_wait
+            health = httpx.get(f"{base}/health").json()
+            assert health["servers"] == {"calc": "ready", "slow": "ready", "hang": "starting"}
+            assert "mcp.tools.still_starting" in log_path.read_text()
+
+            deadline = time.monotonic() + start_timeout + 10
+            while (health := httpx.get(f"{base}/health").json())["servers"]["hang"] == "starting":
+                assert time.monotonic() < deadline, f"hang never failed: {health}"
+                time.sleep(0.2)  # another process's state: there is no event to wait on
+            assert health["status"] == "degraded" and health["servers"]["hang"] == "failed"
+            assert "mcp.start_timeout (20s)" in health["server_errors"]["hang"]
+            assert list(health["server_errors"]) == ["hang"]
+            metrics = httpx.get(f"{base}/metrics").text
+            assert 'whet_tool_server_state{server="hang",state="failed"} 1.0' in metrics
+            assert 'whet_tool_server_state{server="calc",state="ready"} 1.0' in metrics
+        finally:
+            stop(proc)

@@ -1,4 +1,4 @@
-"""The MCP client pool: naming, calls, errors, timeouts, refresh, stdio servers, restarts."""
+"""The MCP client pool: start-up, naming, calls, errors, timeouts, refresh, stdio servers, restarts."""
 
 from __future__ import annotations
 
@@ -169,6 +169,33 @@ async def test_a_server_that_cannot_start_is_reported_failed_without_failing_sta
     async with ToolPool(config, start_timeout=10.0, in_memory={"solo": build_server("solo")}) as pool:
         assert pool.status() == {"broken": "failed", "solo": "ready"}
         assert (await pool.call("echo", {"text": "fine"})).content == "fine"
+
+
+HANGING = {"command": sys.executable, "args": ["-c", "import time; time.sleep(3600)"]}  # never answers initialize
+
+
+@pytest.mark.anyio
+async def test_a_server_silent_past_start_timeout_is_failed_with_that_reason_and_start_returns():
+    async with ToolPool(specs({"hang": HANGING}), start_timeout=1.0, in_memory={"solo": build_server("solo")}) as pool:
+        assert pool.status() == {"hang": "failed", "solo": "ready"}
+        assert "no answer within mcp.start_timeout (1s)" in pool.errors()["hang"]
+        assert pool.starting() == []
+
+
+@pytest.mark.anyio
+async def test_a_pool_started_without_waiting_settles_only_until_start_wait():
+    pool = ToolPool(specs({"hang": HANGING}), start_timeout=30.0, start_wait=1.0, in_memory={"solo": build_server("solo")})
+    began = anyio.current_time()
+    await pool.start(wait=False)
+    try:
+        assert pool.status()["hang"] == "starting"  # returned at once, servers on their way
+        assert await pool.settle() == ["hang"]  # the ready server is listed, the hanging one is not waited for
+        assert 1.0 <= anyio.current_time() - began < 10.0
+        assert pool.status() == {"hang": "starting", "solo": "ready"} and "echo" in names(pool)
+        waited = anyio.current_time()
+        assert await pool.settle() == ["hang"] and anyio.current_time() - waited < 0.5  # past start_wait: no wait
+    finally:
+        await pool.aclose()
 
 
 @pytest.mark.loopback
