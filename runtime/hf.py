@@ -161,6 +161,9 @@ class TransformersBackend:
             raise BackendError(str(exc)) from exc
         positions = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
         self.context_tokens = min(max_context_tokens, positions)
+        # what a too-long prompt can do about it: the setting, or nothing when the model's own positions bound it
+        self._context_fix = ("shorten the conversation or raise model.max_context_tokens" if max_context_tokens < positions
+                             else f"shorten the conversation: {positions} positions is this model's own limit")  # fmt: skip
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
         # only the last position's logits are needed; older model classes lack the argument
         keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -250,8 +253,7 @@ class TransformersBackend:
         prompt = self.prompt_ids(messages, tools)
         if len(prompt) >= self.context_tokens:
             raise PromptTooLong(
-                f"prompt is {len(prompt)} tokens; the model's context is {self.context_tokens}: "
-                "shorten the conversation or raise model.max_context_tokens"
+                f"prompt is {len(prompt)} tokens; the model's context is {self.context_tokens}: {self._context_fix}"
             )
         budget = min(params.max_new_tokens, self.context_tokens - len(prompt))
         with self._using(adapter):

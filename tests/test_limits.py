@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import httpx
 import pytest
@@ -91,6 +93,22 @@ async def test_a_prompt_over_the_models_context_is_a_400_naming_the_limit_plain_
         short = {**long, "messages": [{"role": "user", "content": "hello"}]}  # no tools shown: a short prompt
         fine = await client.post("/v1/chat/completions", json=short)
         assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.parametrize("setting", [40_000, 2048])
+def test_the_context_error_advises_raising_the_setting_only_when_the_setting_is_the_limit(tiny_model_dir, setting):
+    from whet.runtime.hf import TransformersBackend
+    from whet.runtime.policy import PromptTooLong, SamplingParams
+
+    # the tiny model has 32768 positions: a setting above them leaves the model's own limit
+    backend = TransformersBackend(str(tiny_model_dir), model_name="tiny", workers=1, max_context_tokens=setting)
+    with pytest.raises(PromptTooLong) as raised:
+        backend._generate_sync([{"role": "user", "content": "word " * 34_000}], None, SamplingParams(), None,
+                               lambda _: None, threading.Event())  # fmt: skip
+    if setting > 32768:
+        assert "model.max_context_tokens" not in str(raised.value) and "32768 positions is this model's own limit" in str(raised.value)
+    else:
+        assert "raise model.max_context_tokens" in str(raised.value)
 
 
 async def test_more_requests_in_flight_for_one_key_than_max_concurrent_per_key_is_a_429_others_go_on(tmp_path):
