@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -185,16 +186,37 @@ def _serve(args: argparse.Namespace) -> int:
         from whet.learner.learner import check_config
 
         check_config(config, standalone=False)
+    try:  # the port first: taken, it is one line now, not a uvicorn error after the model loaded and "whet ready"
+        sock = _listen(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"whet: cannot listen on {config.server.host}:{config.server.port}: {exc.strerror or exc}\n"
+              "  fix: stop what holds that port (another whet serve?), or pass --port N (server.port)", file=sys.stderr)  # fmt: skip
+        return 1
     try:
         backend = _load_backend(config)
     except BackendError as exc:
         print(f"whet: cannot load the model: {exc}", file=sys.stderr)
+        sock.close()
         return 1
     app = create_app(config, backend=backend, tools=tools)
     url = f"http://{config.server.host}:{config.server.port}"
     structlog.get_logger().info("serving", url=url, openai_base_url=f"{url}/v1", model=config.model.name)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_config=None, access_log=False)
+    uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False)).run(sockets=[sock])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (bound as uvicorn would bind it), or OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _load_backend(config: WhetConfig):

@@ -170,3 +170,18 @@ def test_whet_forget_removes_a_users_turns_notes_and_adapter_files_and_keeps_the
     assert [n.text for n in book.find("bob", [], None, None, True, 10).notes] == ["bob likes tea"]
     book.close()
     assert not (data / "adapters" / "user" / "alice").exists()
+
+
+def test_whet_serve_on_a_port_in_use_says_so_before_loading_anything_and_exits_1(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, model={"id": "tiny"}, learner={"enabled": False}, server={"port": port})
+        done = whet("serve", "--config", str(config))
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port N" in done.stderr
+    assert "whet ready" not in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data" / "models" / "tiny").exists()  # refused before the model was loaded (or built)
