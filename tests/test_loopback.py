@@ -259,7 +259,7 @@ def test_whet_serves_at_once_while_an_mcp_server_hangs_at_start_and_waits_briefl
     /health answers at once and shows it starting (then failed, with the reason); a chat in the first
     mcp.start_wait seconds waits for a server that is ready a few seconds late, and later chats are
     answered at once with the ready servers' tools."""
-    start_timeout, start_wait = 20, 8
+    start_timeout, start_wait = 30, 8
     calc = {"command": "${WHET_PYTHON}", "args": ["-m", "whet.servers.calc"]}
     slow = {"command": "${WHET_PYTHON}", "args": [
         "-c", "import runpy, time; time.sleep(4); runpy.run_module('whet.servers.calc', run_name='__main__')"]}
@@ -271,14 +271,13 @@ def test_whet_serves_at_once_while_an_mcp_server_hangs_at_start_and_waits_briefl
                   "mcp": {"config": str(mcp_file), "start_timeout": start_timeout, "start_wait": start_wait},
                   "learner": {"enabled": False}}  # fmt: skip
         port = free_port()
-        spawned = time.monotonic()
         proc, log_path = spawn_whet(tmp_path, config, "serve", "--port", str(port))
         base = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(base, proc, log_path, deadline_s=start_timeout)
+            wait_healthy(base, proc, log_path, deadline_s=start_timeout - 5)
             health = httpx.get(f"{base}/health").json()
-            assert time.monotonic() - spawned < start_timeout / 2, "the port opened only after the servers started"
-            assert health["servers"]["hang"] == "starting" and health["servers"]["slow"] == "starting"
+            # hang is failed only start_timeout after its start: still starting, so the port opened before
+            assert health["servers"]["hang"] == "starting"  # slow (4 s) may be ready already on a loaded machine
             assert health["status"] == "starting" and health["server_errors"]["hang"] == "starting"
 
             def chat(text: str) -> str:
@@ -303,7 +302,7 @@ def test_whet_serves_at_once_while_an_mcp_server_hangs_at_start_and_waits_briefl
                 assert time.monotonic() < deadline, f"hang never failed: {health}"
                 time.sleep(0.2)  # another process's state: there is no event to wait on
             assert health["status"] == "degraded" and health["servers"]["hang"] == "failed"
-            assert "mcp.start_timeout (20s)" in health["server_errors"]["hang"]
+            assert f"mcp.start_timeout ({start_timeout}s)" in health["server_errors"]["hang"]
             assert list(health["server_errors"]) == ["hang"]
             metrics = httpx.get(f"{base}/metrics").text
             assert 'whet_tool_server_state{server="hang",state="failed"} 1.0' in metrics
