@@ -139,3 +139,61 @@ def test_serve_without_learner_and_whet_learn_elsewhere_talk_only_through_postgr
 
         missing = whet_cli("adapters", "show", "global-9999", "--config", str(learn_config))
         assert missing.returncode == 1 and "whet adapters list" in missing.stderr and "Traceback" not in missing.stderr
+
+
+PROBES = ["What is 17 times 23?", "Write a haiku about autumn.", "What time is it at home?"]
+
+
+def _answers(client: httpx.Client, key: str) -> list[tuple[str, str | None]]:
+    """bob's probe set at temperature 0, never learnt from (store: false): each answer's text and
+    the adapter version that served it."""
+    out = []
+    for text in PROBES:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                "temperature": 0, "store": False}  # fmt: skip
+        response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}",
+                                                                            "X-Whet-Session": uuid.uuid4().hex})  # fmt: skip
+        assert response.status_code == 200, response.text
+        turn = client.get(f"/v1/turns/{response.json()['id']}", headers={"Authorization": f"Bearer {key}"}).json()
+        out.append((response.json()["choices"][0]["message"]["content"], turn["policy_version"]))
+    return out
+
+
+def test_one_users_flood_of_wrong_feedback_leaves_another_users_answers_exactly_as_they_were(tmp_path, tiny_model):  # noqa: F811
+    """Two API keys and the default learner.scope (auto, so per user): alice thumbs down every
+    answer and contradicts it until the learner has trained and put live an adapter of hers; bob's
+    probe set (general requests and one of his own) then gets the same greedy answers from the same
+    (base) weights. (Run with learner.scope: global instead, the same flood reaches bob: his answers
+    then come from the adapter alice's flood trained, which is what the per-user default prevents.)"""
+    mcp_file = tmp_path / "mcp.json"
+    mcp_file.write_text(json.dumps({"mcpServers": {}}))
+    keys = {"sk-alice": "alice", "sk-bob": "bob"}
+    learner = {"batch_size": BATCH, "batch_timeout_s": 3600, "poll_s": 0.2, "gate": {"holdout_fraction": 0.0}}
+    config = {
+        "model": {"id": str(tiny_model), "served_name": "tiny", "max_new_tokens": 8},
+        "mcp": {"config": str(mcp_file)},
+        "server": {"api_keys": keys},
+        "learner": learner,
+    }
+    alice = {"Authorization": "Bearer sk-alice"}
+    with whet_serve(tmp_path, config) as base, httpx.Client(base_url=base, timeout=60) as client:
+        before = _answers(client, "sk-bob")
+        assert {version for _, version in before} == {None}
+
+        def flood_once() -> str | None:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "What time is it at home?"}],
+                    "max_tokens": 8}  # fmt: skip
+            response = client.post("/v1/chat/completions", json=body,
+                                   headers={**alice, "X-Whet-Session": uuid.uuid4().hex})  # fmt: skip
+            assert response.status_code == 200, response.text
+            turn_id = response.json()["id"]
+            wrong = {"turn_id": turn_id, "thumbs": "down", "text": "No, that is wrong: I meant Reykjavik."}
+            assert client.post("/v1/feedback", json=wrong, headers=alice).status_code == 201
+            return client.get(f"/v1/turns/{turn_id}", headers=alice).json()["policy_version"]
+
+        for _ in range(BATCH):
+            flood_once()
+        alices = wait_for(flood_once, deadline_s=180, every_s=0.5)  # her answers come from an adapter trained on her flood
+        after = _answers(client, "sk-bob")
+    assert alices.startswith("user-alice-")
+    assert after == before  # the same words from the same weights: success and general skill did not move
