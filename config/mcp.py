@@ -26,6 +26,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from whet.config.jsontext import JsonTextError, parse_json
 from whet.config.settings import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -91,13 +92,9 @@ def load_mcp_servers(path: Path, variables: Mapping[str, str]) -> list[McpServer
         problem = f"cannot read the MCP server file ({reason})"
         raise ConfigError(str(path), problem, "set mcp.config to an existing JSON file") from None
     try:
-        data = json.loads(_strip_jsonc(text))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            str(path),
-            f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-            "fix the JSON syntax at the position shown",
-        ) from None
+        data = parse_json(_strip_jsonc(text))
+    except JsonTextError as exc:
+        raise ConfigError(str(path), f"not valid JSON: {exc}", "fix the JSON syntax at the position shown") from None
     return parse_mcp_servers(data, variables, str(path))
 
 

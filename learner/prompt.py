@@ -164,7 +164,8 @@ def _render_assistant_calls(message: dict[str, Any]) -> str:
     for call in message["tool_calls"]:
         function = call["function"]
         arguments = json.dumps(function.get("arguments", {}), ensure_ascii=False)
-        body = f'{{"name": "{function["name"]}", "arguments": {arguments}}}'
+        name = json.dumps(function["name"], ensure_ascii=False)  # a quote or control character in a name stays JSON
+        body = f'{{"name": {name}, "arguments": {arguments}}}'
         out += f"\n{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
     return out + f"{IM_END}\n"
 

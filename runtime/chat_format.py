@@ -11,9 +11,9 @@ Prompt rendering lives in :mod:`whet.learner.prompt` (the learner needs it too).
 
 from __future__ import annotations
 
-import json
 import secrets
 
+from whet.config.jsontext import JsonTextError, parse_json
 from whet.learner.prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: F401 (re-exported)
 from whet.runtime.policy import ToolCall
 
@@ -58,9 +58,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
 
 def _parse_block(body: str) -> tuple[ToolCall | None, str]:
     try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return None, f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        data = parse_json(body)
+    except JsonTextError as exc:
+        return None, f"invalid JSON ({exc})"
     if not isinstance(data, dict):
         return None, f"expected a JSON object, got {type(data).__name__}"
     name = data.get("name")
@@ -69,8 +69,8 @@ def _parse_block(body: str) -> tuple[ToolCall | None, str]:
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # some models double-encode; accept a string holding an object
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+            arguments = parse_json(arguments) if arguments.strip() else {}
+        except JsonTextError:
             pass
     if arguments is None:
         arguments = {}

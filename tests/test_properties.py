@@ -1,0 +1,167 @@
+"""Property tests for the three readers of text whet did not write: the model's tool-call markup,
+the YAML config, and ``mcpServers`` files. Whatever they are given, they answer with their result
+or their own clear error (a tool error the model sees, a ConfigError naming the key), never
+another exception."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from whet.config.mcp import load_mcp_servers
+from whet.config.settings import ConfigError, load_config
+from whet.learner.prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_chatml
+from whet.runtime.chat_format import parse_tool_calls
+
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+# text with the markup's own pieces in it, so blocks open, close, nest and break often
+MARKUP = st.lists(
+    st.one_of(
+        st.text(max_size=20),
+        st.sampled_from([TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "{", "}", '"name"', ":", '"arguments"', "[", "]", "\x00",
+                         "\ud800", '{"name": "now", "arguments": {"timezone": "Asia/Tokyo"}}']),
+    ),
+    max_size=30,
+).map("".join)
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+DEEP = "[" * 100_000 + "]" * 100_000
+HUGE_INT = "1" * 5000  # past CPython's int-from-text digit limit
+
+
+@FAST
+@given(MARKUP)
+@example(f"{TOOL_CALL_OPEN}{DEEP}{TOOL_CALL_CLOSE}")
+@example(f'{TOOL_CALL_OPEN}{{"name": "calc", "arguments": {{"x": {HUGE_INT}}}}}{TOOL_CALL_CLOSE}')
+@example(f'{TOOL_CALL_OPEN}{{"name": "calc", "arguments": "{DEEP}"}}{TOOL_CALL_CLOSE}')
+def test_the_tool_call_parser_answers_any_text_with_content_calls_and_errors(text):
+    content, calls, errors = parse_tool_calls(text)
+    assert isinstance(content, str) and all(isinstance(e, str) and e for e in errors)
+    for call in calls:
+        assert call.name and call.name == call.name.strip() and isinstance(call.arguments, dict)
+    # every block is either a call or an error: none is lost
+    assert len(calls) + len(errors) == text.count(TOOL_CALL_OPEN) - _nested(text)
+
+
+def _nested(text: str) -> int:
+    """Opening tags inside a block (before its close): they are the block's text, not blocks."""
+    inner, pos = 0, 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) != -1:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        stop = len(text) if end == -1 else end
+        inner += text.count(TOOL_CALL_OPEN, start + len(TOOL_CALL_OPEN), stop)
+        pos = stop + len(TOOL_CALL_CLOSE) if end != -1 else len(text)
+    return inner
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(st.text(min_size=1, max_size=12).filter(lambda s: s.strip() == s and s and TOOL_CALL_CLOSE not in s),
+                  st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4)),
+        min_size=1, max_size=3,
+    ),
+    st.text(max_size=20).filter(lambda s: TOOL_CALL_OPEN not in s),
+)  # fmt: skip
+@example([('say "hi"\\', {"text": "a</tool_call>b"})], "")
+def test_calls_the_prompt_renders_parse_back_to_the_same_names_and_arguments(calls, content):
+    """What whet writes into a prompt for an assistant's earlier calls is what the parser reads back
+    (a model copying the format of its context writes parseable calls)."""
+    message = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+        for i, (name, arguments) in enumerate(calls)]}  # fmt: skip
+    prompt = render_chatml([{"role": "user", "content": "go"}, message], add_generation_prompt=False)
+    reply = prompt.split("<|im_start|>assistant", 1)[1].removesuffix("<|im_end|>\n")
+    _, parsed, errors = parse_tool_calls(reply)
+    if any(TOOL_CALL_CLOSE in json.dumps(a, ensure_ascii=False) for _, a in calls):
+        return  # a value holding the closing tag ends the block early: the markup cannot carry it
+    assert errors == []
+    assert [(c.name, c.arguments) for c in parsed] == calls
+
+
+YAML_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
+SECTIONS = ["server", "model", "mcp", "store", "bus", "memory", "learner", "agent", "log", "data_dir", "nonsense"]
+KEYS = ["port", "host", "api_keys", "id", "backend", "dtype", "scope", "batch_size", "lora", "gate", "url",
+        "trusted_users", "rehearsal", "objective", "max_tokens_cap", "format", "level", "x"]  # fmt: skip
+CONFIG_DOCS = st.recursive(
+    YAML_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
+    max_leaves=8,
+).flatmap(lambda leaf: st.dictionaries(st.sampled_from(SECTIONS), st.just(leaf) | CONFIG_LEAF, max_size=3))
+CONFIG_LEAF = st.dictionaries(st.sampled_from(KEYS), YAML_SCALARS | st.lists(YAML_SCALARS, max_size=2), max_size=3)
+
+
+@FAST
+@given(CONFIG_DOCS, st.one_of(st.none(), CONFIG_DOCS))
+@example({"server": {"port": 10**30}}, None)
+@example({"learner": {"scope": "auto", "trusted_users": "alice"}}, {"server": {"api_keys": ["sk"]}})
+def test_the_config_loader_loads_or_names_the_key(tmp_path, document, overrides):
+    path = tmp_path / "whet.yaml"
+    path.write_text(yaml.safe_dump(document))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}
+    with mock.patch.dict(os.environ, env, clear=True):
+        try:
+            config = load_config(path, overrides)
+        except ConfigError as error:
+            assert error.key and error.problem
+            return
+    assert config.server.port >= 0 and config.learner.scope in ("global", "user")
+
+
+@FAST
+@given(st.text(max_size=200))
+@example("{" * 100_000)
+@example('{"mcpServers": {"x": {"command": "a", "timeout": ' + HUGE_INT + "}}}")
+@example('{"mcpServers": {"x": {"command": "a", "args": ["/*", "*/"]}}} // trailing')
+def test_the_mcp_file_loader_reads_any_text_or_names_the_problem(tmp_path, text):
+    path = tmp_path / "mcp.json"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        specs = load_mcp_servers(path, {})
+    except ConfigError as error:
+        assert error.key and error.problem
+        return
+    assert all(spec.name for spec in specs)
+
+
+MCP_ENTRIES = st.dictionaries(
+    st.sampled_from(["command", "args", "env", "url", "type", "headers", "disabled", "allowedTools", "disabledTools",
+                     "timeout", "cwd", "transport", "other"]),
+    JSON_VALUES,
+    max_size=5,
+)  # fmt: skip
+
+
+@FAST
+@given(st.dictionaries(st.text(max_size=8), MCP_ENTRIES, max_size=3), st.sampled_from(["mcpServers", "servers"]))
+def test_the_mcp_file_loader_reads_any_server_entries_or_names_the_key(tmp_path, servers, root):
+    path = tmp_path / "mcp.json"
+    path.write_text(json.dumps({root: servers}))
+    try:
+        specs = load_mcp_servers(path, {"HOME": "/home/x"})
+    except ConfigError as error:
+        assert error.key and error.problem
+        return
+    assert [spec.name for spec in specs] == list(servers)
+
+
+def test_strategies_reach_both_outcomes(tmp_path):
+    """The generators are not all-errors: a document of the right shape loads."""
+    path = Path(tmp_path / "mcp.json")
+    path.write_text(json.dumps({"mcpServers": {"calc": {"command": "python", "args": ["-m", "x"]}}}))
+    assert [s.name for s in load_mcp_servers(path, {})] == ["calc"]
+    with pytest.raises(ConfigError):
+        load_mcp_servers(path.with_name("missing.json"), {})
