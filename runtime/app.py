@@ -62,6 +62,7 @@ from whet.runtime.schemas import (
     SessionSummary,
     ToolPublic,
     invalid_text_at,
+    refused_field,
 )
 from whet.runtime.state import Resources, open_resources
 from whet.runtime.views import learning_view, session_detail, session_list
@@ -186,17 +187,24 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = exc.errors()
+        # a field this server does not read is named first: it is the likeliest cause of the rest
+        first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+        loc = tuple(p for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-        where = ".".join(loc) or "body"
+        where = ".".join(str(p) for p in loc) or "body"
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"{_echo(where)}: {refused_field(loc)}", code="unsupported_field",
+                                  param=_echo(where))  # fmt: skip
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         return error_response(400, f"{where}: {message}", code="invalid_value", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405 names the allowed methods in Allow
+        return response
 
 
 def _install_routes(app: FastAPI) -> None:

@@ -32,35 +32,74 @@ def invalid_text_at(value: Any, path: str = "") -> str | None:
     return None
 
 
-class FunctionCall(BaseModel):
+# OpenAI chat-completion request fields this server knows and cannot honour, with what to do instead.
+# Each is refused by name (400 ``unsupported_field``); a field in neither the model nor here is refused
+# as unknown. Nothing a client sends is silently dropped.
+REFUSED_FIELDS: dict[str, str] = {
+    "metadata": "stored-completion metadata is not kept by this server; leave it unset",
+    "service_tier": "this server has one service tier; leave it unset",
+    "modalities": "this server answers in text only; leave it unset or ['text']",
+    "audio": "this server does not produce audio; leave it unset",
+    "prediction": "predicted outputs are not supported by this server; leave it unset",
+    "reasoning_effort": "the served model has no reasoning-effort setting; leave it unset",
+    "verbosity": "the served model has no verbosity setting; leave it unset",
+    "web_search_options": "this server does not search the web; give it an MCP tool instead",
+    "functions": "the deprecated functions field is not read; send tools",
+    "function_call": "the deprecated function_call field is not read; send tool_choice",
+    "moderation": "this server runs no moderation; leave it unset",
+    "prompt_cache_key": "this server reuses prompt prefixes on its own; leave it unset",
+    "prompt_cache_options": "this server reuses prompt prefixes on its own; leave it unset",
+    "prompt_cache_retention": "this server reuses prompt prefixes on its own; leave it unset",
+    "safety_identifier": "this server does not read it; send user to name the end user",
+}
+# the same for fields of a message (the openai client's message types carry them)
+REFUSED_MESSAGE_FIELDS: dict[str, str] = {
+    "audio": "a reference to an earlier audio answer cannot be read by this server; send its transcript as content",
+    "function_call": "the deprecated function_call is not read; send tool_calls",
+}
+
+
+def refused_field(loc: tuple[Any, ...]) -> str:
+    """Why the request field at ``loc`` (as pydantic reports an extra input) is refused."""
+    name = str(loc[-1]) if loc else ""
+    known = REFUSED_MESSAGE_FIELDS if len(loc) == 3 and loc[0] == "messages" else REFUSED_FIELDS if len(loc) == 1 else {}
+    shown = name if len(name) <= 80 else f"{name[:80]}..."
+    return known.get(name) or f"'{shown}' is not a field this server reads"
+
+
+class Strict(BaseModel):
+    """A request model: a field it does not declare is refused by name, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionCall(Strict):
     name: str
     arguments: str = "{}"
 
 
-class ToolCallWire(BaseModel):
+class ToolCallWire(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     """One part of list content. Only text is read (the served models read text): a part of any
     other type is refused by name rather than dropped."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"] = Field(description="'text'; other part types (images, audio) are refused")
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = Field(None, description="an assistant's earlier refusal, echoed back: read as its content "
+                                "when it has none")  # fmt: skip
 
     @field_validator("content", mode="before")
     @classmethod
@@ -80,9 +119,10 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        """Content as plain text: list-of-parts content joins its text parts."""
+        """Content as plain text: list-of-parts content joins its text parts; an assistant's echoed
+        refusal stands for content it does not have."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -98,38 +138,39 @@ class ChatMessage(BaseModel):
         return out
 
 
-class FunctionSpec(BaseModel):
+class FunctionSpec(Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = Field(None, description="true (arguments held to the schema exactly) is refused: "
+                                "this server does not constrain decoding")  # fmt: skip
 
 
-class ToolSpec(BaseModel):
+class ToolSpec(Strict):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="true is refused: this server pads no stream chunks")
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Strict):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema carries its schema
-
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatCompletionRequest(Strict):
 
     model: str
     messages: list[ChatMessage]
@@ -191,6 +232,11 @@ class ChatCompletionRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported by this server; leave it unset"
         if self.parallel_tool_calls is False:
             return "parallel_tool_calls", "the agent runs a step's tool calls together; leave it unset or true"
+        for n, tool in enumerate(self.tools or ()):
+            if tool.function.strict:
+                return f"tools.{n}.function.strict", "arguments are not held to the schema by this server; leave it unset or false"
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            return "stream_options.include_obfuscation", "this server pads no stream chunks; leave it unset or false"
         return None
 
     @property
@@ -240,7 +286,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None  # the policy version that answered
 
 
-class FeedbackRequest(BaseModel):
+class FeedbackRequest(Strict):
     turn_id: str
     score: float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None = None
     thumbs: Literal["up", "down"] | None = None
@@ -391,10 +437,8 @@ class LearningView(BaseModel):
     lessons: list[LessonView]  # oldest first
 
 
-class ApprovalDecision(BaseModel):
+class ApprovalDecision(Strict):
     """``POST /v1/approvals/{id}``: a person's decision on a held step."""
-
-    model_config = ConfigDict(extra="forbid")
 
     decision: Literal["approve", "reject"]
     reason: str | None = Field(None, max_length=2000)  # a rejection's reason reaches the model and the learner
