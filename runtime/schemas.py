@@ -7,9 +7,17 @@ them to the `*Public` models here or in `whet.memory.store`.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 
 def invalid_text_at(value: Any, path: str = "") -> str | None:
@@ -68,9 +76,30 @@ def refused_field(loc: tuple[Any, ...]) -> str:
 
 
 class Strict(BaseModel):
-    """A request model: a field it does not declare is refused by name, never ignored."""
+    """A request model: a field it does not declare is refused by name, never ignored, and a value
+    is taken only in the JSON type its schema names (``"0.5"`` is not a number, ``1`` not true)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def only(*values: Any) -> Any:
+    """The schema of a field whose type reads more than this server honours: it says which values
+    are served (the route refuses the rest by name, see ``ChatCompletionRequest.unsupported``)."""
+    return WithJsonSchema({"anyOf": [{"const": v} if not isinstance(v, dict) else v for v in values]
+                           + [{"type": "null"}]})  # fmt: skip
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: int) -> Any:
+    """JSON's integer (5 and 5.0; not "5", 5.5 or true) within ``bounds`` (``gt=0``...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]  # the bounds inside: the schema shows them
+
+
+Int = integer()
+NO_NUL = {"pattern": "^[^\\x00]*$"}  # a user id with NUL is refused (no store can index it)
 
 
 class FunctionCall(Strict):
@@ -93,6 +122,11 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+    })  # fmt: skip
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -142,8 +176,8 @@ class FunctionSpec(Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = Field(None, description="true (arguments held to the schema exactly) is refused: "
-                                "this server does not constrain decoding")  # fmt: skip
+    strict: Annotated[bool | None, only(False)] = Field(None, description="true (arguments held to the schema "
+                                                        "exactly) is refused: this server does not constrain decoding")
 
 
 class ToolSpec(Strict):
@@ -153,7 +187,8 @@ class ToolSpec(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: bool | None = Field(None, description="true is refused: this server pads no stream chunks")
+    include_obfuscation: Annotated[bool | None, only(False)] = Field(None, description="true is refused: this server "
+                                                                     "pads no stream chunks")
 
 
 class NamedFunction(Strict):
@@ -173,26 +208,30 @@ class ResponseFormat(Strict):
 class ChatCompletionRequest(Strict):
 
     model: str
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(description="at least one (at most server.max_messages); the last from the "
+                                        "user, or a tool result for a client-side tool")  # fmt: skip
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
+    # the fields below read OpenAI's full range; the schema names the part this server honours
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, only("none", "auto")] = None
+    parallel_tool_calls: Annotated[bool | None, only(True)] = None
+    response_format: Annotated[ResponseFormat | None, only({
+        "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "additionalProperties": False,
+    })] = None  # fmt: skip
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    top_logprobs: Annotated[integer(ge=0, le=20) | None, only(0)] = None
+    frequency_penalty: Annotated[float | None, only(0)] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Annotated[float | None, only(0)] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, float] | None, only({"type": "object", "maxProperties": 0})] = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    seed: int | None = None
+    max_tokens: integer(gt=0) | None = None
+    max_completion_tokens: integer(gt=0) | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    user: str | None = Field(None, max_length=256)
-    n: int = Field(1, ge=1, le=1)
+    user: str | None = Field(None, max_length=256, json_schema_extra=NO_NUL)
+    n: integer(ge=1, le=1) = 1
     store: bool | None = Field(None, description=(
         "false: serve and keep this request for its session, but never learn from it (no training "
         "sample, no lesson); true or absent: learn from it, whet's default"))
@@ -287,8 +326,16 @@ class ChatCompletion(BaseModel):
 
 
 class FeedbackRequest(Strict):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # at least one signal
+        {"required": ["score"], "properties": {"score": {"not": {"type": "null"}}}},
+        {"required": ["thumbs"], "properties": {"thumbs": {"not": {"type": "null"}}}},
+        {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1}}},
+    ]})  # fmt: skip
+
     turn_id: str
-    score: float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None = None
+    score: Annotated[float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None, WithJsonSchema({"anyOf": [
+        {"type": "number", "minimum": -1, "maximum": 1}, {"enum": ["up", "down", "thumbs_up", "thumbs_down"]},
+        {"type": "null"}]})] = None  # fmt: skip
     thumbs: Literal["up", "down"] | None = None
     text: str | None = Field(None, max_length=8000)
 
