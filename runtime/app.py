@@ -233,7 +233,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         # a field this server does not read is named first: it is the likeliest cause of the rest
         first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
-        loc = tuple(p for p in first.get("loc", ()) if p != "body")
+        loc = tuple(first.get("loc", ()))
+        loc = loc[1:] if loc and loc[0] in ("body", "path", "query", "header") else loc  # the field, as OpenAI names it
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
         where = ".".join(str(p) for p in loc) or "body"

@@ -276,3 +276,46 @@ async def test_what_the_openai_client_sends_and_echoes_back_is_all_read(tmp_path
         assert last.choices[0].message.content == "You're welcome."
         turn = await res.store.get_turn(last.id)
         assert any(m["content"] == "I can't say." for m in turn.prompt_messages if m["role"] == "assistant")
+
+
+async def test_the_schema_says_which_fields_and_values_are_read(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"]), server={"max_messages": 7, "max_tokens_cap": 99}) as (client, _):
+        schema = (await client.get("/openapi.json")).json()
+    parts = schema["components"]["schemas"]
+    chat = parts["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and parts["ChatMessage"]["additionalProperties"] is False
+    assert parts["FeedbackRequest"]["additionalProperties"] is False
+    assert "metadata" not in chat["properties"] and chat["properties"]["messages"]["maxItems"] == 7
+    assert chat["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 99
+    assert {"const": "required"} not in chat["properties"]["tool_choice"]["anyOf"]
+    routes = schema["paths"]
+    assert {"404", "500"} <= set(routes["/v1/turns/{turn_id}"]["get"]["responses"])
+    assert "text/plain" in routes["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in routes["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("send", "param"),
+    [
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", temperature="0.5")), "temperature"),
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", stream="true")), "stream"),
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", max_tokens=2.5)), "max_tokens"),
+        (lambda c: c.post("/v1/feedback", json={"turn_id": "t", "score": "1"}), "score"),
+        (lambda c: c.delete("/v1/lessons/66800622778585354076160"), "lesson_id"),
+    ],
+    ids=["number-as-string", "bool-as-string", "fractional-int", "score-as-string", "lesson-id-past-int64"],
+)
+async def test_a_value_is_read_in_its_json_type_only(tmp_path, send, param):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await send(client)
+        whole = await client.post("/v1/chat/completions", json=chat_body("hi", max_tokens=5.0))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+    assert whole.status_code == 200, whole.text  # 5.0 is JSON's integer 5
+
+
+async def test_a_405_names_every_method_the_path_allows(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await client.request("PUT", "/v1/approvals/some-id")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "GET, POST" and response.json()["error"]["message"]
