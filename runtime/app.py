@@ -16,12 +16,13 @@ from typing import Annotated, Any, Literal
 
 import anyio
 import structlog
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from whet.config.settings import WhetConfig
 from whet.memory.bus import LESSON_DELETED
@@ -50,6 +51,7 @@ from whet.runtime.policy import BackendError, PromptTooLong, SamplingParams
 from whet.runtime.schemas import (
     ApprovalDecision,
     ApprovalView,
+    ChatCompletion,
     ChatCompletionRequest,
     ErrorBody,
     FeedbackAck,
@@ -62,6 +64,7 @@ from whet.runtime.schemas import (
     SessionSummary,
     ToolPublic,
     invalid_text_at,
+    refused_field,
 )
 from whet.runtime.state import Resources, open_resources
 from whet.runtime.views import learning_view, session_detail, session_list
@@ -79,6 +82,36 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorBody(message=message, type=kind, param=param, code=code)
     return JSONResponse({"error": body.model_dump()}, status_code=status)
+
+
+ERRORS = {
+    400: "Invalid request: the message and param name the field",
+    403: "Not this key's to do",
+    404: "Not found (or another user's)",
+    409: "Already decided",
+    410: "Expired",
+    413: "Request body over server.max_body_bytes",
+    500: "Internal error: the server log has details",
+    502: "The model backend (or a tool server) failed",
+    503: "The store is unreachable; retry shortly",
+    507: "The data directory's disk is full",
+}
+
+
+ERROR_BODY = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` a route declares for the errors it can answer, each an OpenAI-style body."""
+    return {status: {"description": ERRORS[status], **ERROR_BODY} for status in statuses}
+
+
+# a generating route answers a chat completion, or with ``stream: true`` its SSE chunks
+ANSWER: dict[int | str, dict[str, Any]] = {200: {"model": ChatCompletion, "description": "The answer", "content": {
+    "text/event-stream": {"schema": {  # one event (OpenAPI 3.1: the schema of a stream describes each event)
+        "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {
+            "type": "string", "description": "a chat.completion.chunk as JSON; the last event is [DONE]"}}}},
+}}}  # fmt: skip
 
 
 def get_resources(request: Request) -> Resources:
@@ -128,36 +161,47 @@ def create_app(config: WhetConfig, **twins: Any) -> FastAPI:
     _install_error_handlers(app)
     _install_routes(app)
     _install_approval_routes(app)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, config)  # type: ignore[method-assign]
     _install_web_routes(app)
     return app
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, config: WhetConfig) -> dict[str, Any]:
     """FastAPI's schema, saying what the API really answers: bad input is a 400 with an OpenAI-style
-    error body (never FastAPI's 422), and with keys configured any route may answer 401."""
+    error body (never FastAPI's 422), any route may answer 500, one with a body 413, and with keys
+    configured every route needs the bearer key (401 without). The limits set in ``server`` are in it."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components = schema.setdefault("components", {})
     for name in ("HTTPValidationError", "ValidationError"):
-        components.pop(name, None)
-    components["ErrorBody"] = ErrorBody.model_json_schema()
-    components["ErrorResponse"] = {
+        components["schemas"].pop(name, None)
+    components["schemas"]["ErrorBody"] = ErrorBody.model_json_schema()
+    components["schemas"]["ErrorResponse"] = {
         "type": "object", "required": ["error"], "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}},
     }  # fmt: skip
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    error = ERROR_BODY
     retry_after = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+    if app.state.api_keys:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             if responses.pop("422", None) is not None:
-                responses["400"] = {"description": "Invalid request", **error}
+                responses["400"] = {"description": ERRORS[400], **error}
+            if "requestBody" in operation:
+                responses["413"] = {"description": ERRORS[413], **error}
+            responses["500"] = {"description": ERRORS[500], **error}
             if app.state.api_keys:
                 responses["401"] = {"description": "Missing or invalid API key", **error}
             if method == "post" and GENERATING.match(path):  # see whet.runtime.limits
                 responses["429"] = {"description": "Too many requests in flight or in the last minute for this "
                                     "key", "headers": retry_after, **error}  # fmt: skip
+    chat = components["schemas"]["ChatCompletionRequest"]["properties"]
+    chat["messages"] |= {"minItems": 1, "maxItems": config.server.max_messages}
+    for name in ("max_tokens", "max_completion_tokens"):  # see whet.runtime.limits.body_limit
+        chat[name]["anyOf"][0]["maximum"] = config.server.max_tokens_cap
     app.openapi_schema = schema
     return schema
 
@@ -186,21 +230,39 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = exc.errors()
+        # a field this server does not read is named first: it is the likeliest cause of the rest
+        first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+        loc = tuple(first.get("loc", ()))
+        loc = loc[1:] if loc and loc[0] in ("body", "path", "query", "header") else loc  # the field, as OpenAI names it
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-        where = ".".join(loc) or "body"
+        where = ".".join(str(p) for p in loc) or "body"
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"{_echo(where)}: {refused_field(loc)}", code="unsupported_field",
+                                  param=_echo(where))  # fmt: skip
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         return error_response(400, f"{where}: {message}", code="invalid_value", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow names every method of the path, not only the first route's
+            response.headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        return response
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def _install_routes(app: FastAPI) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ANSWER | errors(403, 404, 502, 503, 507))
     async def chat_completions(
         body: ChatCompletionRequest,
         res: ResourcesDep,
@@ -226,7 +288,7 @@ def _install_routes(app: FastAPI) -> None:
         logprobs = choice_logprobs(result.turn, res.backend) if body.logprobs else None
         return JSONResponse(completion_body(result, res.model_name, logprobs), headers=headers)
 
-    @app.post("/v1/feedback", status_code=201)
+    @app.post("/v1/feedback", status_code=201, responses=errors(404, 503, 507))
     async def feedback(body: FeedbackRequest, res: ResourcesDep, auth_user: AuthDep) -> FeedbackAck:
         _refuse_invalid_text(body)
         turn = await _owned_turn(res, body.turn_id, auth_user)
@@ -234,7 +296,7 @@ def _install_routes(app: FastAPI) -> None:
         res.metrics.feedback.inc()
         return FeedbackAck(id=row.id, turn_id=turn.id, score=row.score, closed_turn=closed)
 
-    @app.get("/v1/turns")
+    @app.get("/v1/turns", responses=errors(503))
     async def list_turns(
         res: ResourcesDep,
         auth_user: AuthDep,
@@ -247,12 +309,12 @@ def _install_routes(app: FastAPI) -> None:
         turns = await res.store.list_turns(session_id=session, user_id=user, limit=limit)
         return [TurnPublic.model_validate(t, from_attributes=True) for t in turns]
 
-    @app.get("/v1/turns/{turn_id}")
+    @app.get("/v1/turns/{turn_id}", responses=errors(404, 503))
     async def get_turn(turn_id: str, res: ResourcesDep, auth_user: AuthDep) -> TurnPublic:
         turn = await _owned_turn(res, turn_id, None if is_admin(res, auth_user) else auth_user)
         return TurnPublic.model_validate(turn, from_attributes=True)
 
-    @app.delete("/v1/users/{user_id}")
+    @app.delete("/v1/users/{user_id}", responses=errors(403, 502, 503, 507))
     async def forget(user_id: str, res: ResourcesDep, auth_user: AuthDep) -> dict[str, Any]:
         """Forget a user: the user themselves, or an admin key."""
         if "\x00" in user_id:
@@ -275,7 +337,7 @@ def _install_routes(app: FastAPI) -> None:
     async def models(res: ResourcesDep, auth_user: AuthDep) -> ModelList:
         return ModelList(data=[_model_card(res, auth_user)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def model(model_id: str, res: ResourcesDep, auth_user: AuthDep) -> ModelCard:
         if model_id not in (res.model_name, res.backend.model_name):
             raise ApiError(404, f"model '{model_id}' not found; this server serves '{res.model_name}'",
@@ -304,7 +366,7 @@ def _install_routes(app: FastAPI) -> None:
             "learner": await res.learner.status() if res.learner else None,
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=errors(503))
     async def metrics(res: ResourcesDep, auth_user: AuthDep) -> Response:
         res.metrics.tools_available.set(len(res.tools.tools()))
         res.metrics.tool_servers(res.tools.status())
@@ -323,7 +385,7 @@ def _overall(servers: dict[str, str]) -> str:
 def _install_approval_routes(app: FastAPI) -> None:
     """Held steps (see ``whet.runtime.approvals``): list them, and decide one to continue its request."""
 
-    @app.get("/v1/approvals")
+    @app.get("/v1/approvals", responses=errors(503, 507))
     async def approvals(
         res: ResourcesDep, auth_user: AuthDep, user: str | None = None,
         status: Literal["pending", "approved", "rejected", "expired", "all"] = "pending",
@@ -335,12 +397,12 @@ def _install_approval_routes(app: FastAPI) -> None:
         rows = await res.store.list_approvals(owner, None if status == "all" else status, limit)
         return [approval_view(row) for row in rows]
 
-    @app.get("/v1/approvals/{approval_id}")
+    @app.get("/v1/approvals/{approval_id}", responses=errors(404, 503, 507))
     async def approval(approval_id: str, res: ResourcesDep, auth_user: AuthDep) -> ApprovalView:
         await expire_due(res.experience)
         return approval_view(await _owned_approval(res, approval_id, auth_user))
 
-    @app.post("/v1/approvals/{approval_id}")
+    @app.post("/v1/approvals/{approval_id}", responses=ANSWER | errors(404, 409, 410, 502, 503, 507))
     async def decide(approval_id: str, body: ApprovalDecision, res: ResourcesDep, auth_user: AuthDep) -> Response:
         """Approve or reject; the answer is the held request's continuation, as a chat completion."""
         _refuse_invalid_text(body)
@@ -421,6 +483,7 @@ def _check_request(res: Resources, body: ChatCompletionRequest) -> None:
         raise ApiError(limit.status, limit.message, code=limit.code, param=limit.param)
 
 
+LessonId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a row id: what a store's INTEGER holds
 WEB_PAGE = ("/", "/web/*")  # the page's static files: no data, served without a key (the page asks for one)
 
 
@@ -433,14 +496,14 @@ def _install_web_routes(app: FastAPI) -> None:
     async def page() -> FileResponse:
         return FileResponse(str(web / "index.html"), headers={"Cache-Control": "no-cache"})
 
-    @app.get("/v1/sessions")
+    @app.get("/v1/sessions", responses=errors(503))
     async def sessions(
         res: ResourcesDep, auth_user: AuthDep, user: str | None = None,
         limit: Annotated[int, Query(ge=1, le=200)] = 50,
     ) -> list[SessionSummary]:
         return await session_list(res.store, _page_user(res, auth_user, user), limit)
 
-    @app.get("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id}", responses=errors(404, 503, 507))
     async def session(session_id: str, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> SessionDetail:
         found = await res.store.get_session(session_id)
         if found is None or found.user_id != _page_user(res, auth_user, user):
@@ -448,18 +511,18 @@ def _install_web_routes(app: FastAPI) -> None:
         await expire_due(res.experience)
         return await session_detail(res.store, session_id)
 
-    @app.get("/v1/learning")
+    @app.get("/v1/learning", responses=errors(503))
     async def learning(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> LearningView:
         status = await res.learner.status() if res.learner else None
         return await learning_view(res.store, res.config.learner.scope, status, _page_user(res, auth_user, user))
 
-    @app.get("/v1/lessons")
+    @app.get("/v1/lessons", responses=errors(503))
     async def lessons(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> list[LessonView]:
         rows = await res.store.list_lessons(_page_user(res, auth_user, user))
         return [LessonView.model_validate(row, from_attributes=True) for row in rows]
 
-    @app.delete("/v1/lessons/{lesson_id}", status_code=204)
-    async def delete_lesson(lesson_id: int, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> Response:
+    @app.delete("/v1/lessons/{lesson_id}", status_code=204, responses=errors(404, 503, 507))
+    async def delete_lesson(lesson_id: LessonId, res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> Response:
         lesson = await res.store.get_lesson(lesson_id)
         if lesson is None or lesson.user_id != _page_user(res, auth_user, user):
             raise ApiError(404, f"lesson {lesson_id} not found", code="lesson_not_found", param="lesson_id")

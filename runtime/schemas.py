@@ -7,9 +7,17 @@ them to the `*Public` models here or in `whet.memory.store`.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 
 def invalid_text_at(value: Any, path: str = "") -> str | None:
@@ -32,35 +40,100 @@ def invalid_text_at(value: Any, path: str = "") -> str | None:
     return None
 
 
-class FunctionCall(BaseModel):
+# OpenAI chat-completion request fields this server knows and cannot honour, with what to do instead.
+# Each is refused by name (400 ``unsupported_field``); a field in neither the model nor here is refused
+# as unknown. Nothing a client sends is silently dropped.
+REFUSED_FIELDS: dict[str, str] = {
+    "metadata": "stored-completion metadata is not kept by this server; leave it unset",
+    "service_tier": "this server has one service tier; leave it unset",
+    "modalities": "this server answers in text only; leave it unset or ['text']",
+    "audio": "this server does not produce audio; leave it unset",
+    "prediction": "predicted outputs are not supported by this server; leave it unset",
+    "reasoning_effort": "the served model has no reasoning-effort setting; leave it unset",
+    "verbosity": "the served model has no verbosity setting; leave it unset",
+    "web_search_options": "this server does not search the web; give it an MCP tool instead",
+    "functions": "the deprecated functions field is not read; send tools",
+    "function_call": "the deprecated function_call field is not read; send tool_choice",
+    "moderation": "this server runs no moderation; leave it unset",
+    "prompt_cache_key": "this server reuses prompt prefixes on its own; leave it unset",
+    "prompt_cache_options": "this server reuses prompt prefixes on its own; leave it unset",
+    "prompt_cache_retention": "this server reuses prompt prefixes on its own; leave it unset",
+    "safety_identifier": "this server does not read it; send user to name the end user",
+}
+# the same for fields of a message (the openai client's message types carry them)
+REFUSED_MESSAGE_FIELDS: dict[str, str] = {
+    "audio": "a reference to an earlier audio answer cannot be read by this server; send its transcript as content",
+    "function_call": "the deprecated function_call is not read; send tool_calls",
+}
+
+
+def refused_field(loc: tuple[Any, ...]) -> str:
+    """Why the request field at ``loc`` (as pydantic reports an extra input) is refused."""
+    name = str(loc[-1]) if loc else ""
+    known = REFUSED_MESSAGE_FIELDS if len(loc) == 3 and loc[0] == "messages" else REFUSED_FIELDS if len(loc) == 1 else {}
+    shown = name if len(name) <= 80 else f"{name[:80]}..."
+    return known.get(name) or f"'{shown}' is not a field this server reads"
+
+
+class Strict(BaseModel):
+    """A request model: a field it does not declare is refused by name, never ignored, and a value
+    is taken only in the JSON type its schema names (``"0.5"`` is not a number, ``1`` not true)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def only(*values: Any) -> Any:
+    """The schema of a field whose type reads more than this server honours: it says which values
+    are served (the route refuses the rest by name, see ``ChatCompletionRequest.unsupported``)."""
+    return WithJsonSchema({"anyOf": [{"const": v} if not isinstance(v, dict) else v for v in values]
+                           + [{"type": "null"}]})  # fmt: skip
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: int) -> Any:
+    """JSON's integer (5 and 5.0; not "5", 5.5 or true) within ``bounds`` (``gt=0``...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]  # the bounds inside: the schema shows them
+
+
+Int = integer()
+NO_NUL = {"pattern": "^[^\\x00]*$"}  # a user id with NUL is refused (no store can index it)
+
+
+class FunctionCall(Strict):
     name: str
     arguments: str = "{}"
 
 
-class ToolCallWire(BaseModel):
+class ToolCallWire(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     """One part of list content. Only text is read (the served models read text): a part of any
     other type is refused by name rather than dropped."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"] = Field(description="'text'; other part types (images, audio) are refused")
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(Strict):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+    })  # fmt: skip
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = Field(None, description="an assistant's earlier refusal, echoed back: read as its content "
+                                "when it has none")  # fmt: skip
 
     @field_validator("content", mode="before")
     @classmethod
@@ -80,9 +153,10 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        """Content as plain text: list-of-parts content joins its text parts."""
+        """Content as plain text: list-of-parts content joins its text parts; an assistant's echoed
+        refusal stands for content it does not have."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -98,60 +172,66 @@ class ChatMessage(BaseModel):
         return out
 
 
-class FunctionSpec(BaseModel):
+class FunctionSpec(Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: Annotated[bool | None, only(False)] = Field(None, description="true (arguments held to the schema "
+                                                        "exactly) is refused: this server does not constrain decoding")
 
 
-class ToolSpec(BaseModel):
+class ToolSpec(Strict):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: Annotated[bool | None, only(False)] = Field(None, description="true is refused: this server "
+                                                                     "pads no stream chunks")
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Strict):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema carries its schema
-
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatCompletionRequest(Strict):
 
     model: str
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(description="at least one (at most server.max_messages); the last from the "
+                                        "user, or a tool result for a client-side tool")  # fmt: skip
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
+    # the fields below read OpenAI's full range; the schema names the part this server honours
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, only("none", "auto")] = None
+    parallel_tool_calls: Annotated[bool | None, only(True)] = None
+    response_format: Annotated[ResponseFormat | None, only({
+        "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "additionalProperties": False,
+    })] = None  # fmt: skip
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    top_logprobs: Annotated[integer(ge=0, le=20) | None, only(0)] = None
+    frequency_penalty: Annotated[float | None, only(0)] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Annotated[float | None, only(0)] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, float] | None, only({"type": "object", "maxProperties": 0})] = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    seed: int | None = None
+    max_tokens: integer(gt=0) | None = None
+    max_completion_tokens: integer(gt=0) | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    user: str | None = Field(None, max_length=256)
-    n: int = Field(1, ge=1, le=1)
+    user: str | None = Field(None, max_length=256, json_schema_extra=NO_NUL)
+    n: integer(ge=1, le=1) = 1
     store: bool | None = Field(None, description=(
         "false: serve and keep this request for its session, but never learn from it (no training "
         "sample, no lesson); true or absent: learn from it, whet's default"))
@@ -191,6 +271,11 @@ class ChatCompletionRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported by this server; leave it unset"
         if self.parallel_tool_calls is False:
             return "parallel_tool_calls", "the agent runs a step's tool calls together; leave it unset or true"
+        for n, tool in enumerate(self.tools or ()):
+            if tool.function.strict:
+                return f"tools.{n}.function.strict", "arguments are not held to the schema by this server; leave it unset or false"
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            return "stream_options.include_obfuscation", "this server pads no stream chunks; leave it unset or false"
         return None
 
     @property
@@ -240,9 +325,17 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None  # the policy version that answered
 
 
-class FeedbackRequest(BaseModel):
+class FeedbackRequest(Strict):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # at least one signal
+        {"required": ["score"], "properties": {"score": {"not": {"type": "null"}}}},
+        {"required": ["thumbs"], "properties": {"thumbs": {"not": {"type": "null"}}}},
+        {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1}}},
+    ]})  # fmt: skip
+
     turn_id: str
-    score: float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None = None
+    score: Annotated[float | Literal["up", "down", "thumbs_up", "thumbs_down"] | None, WithJsonSchema({"anyOf": [
+        {"type": "number", "minimum": -1, "maximum": 1}, {"enum": ["up", "down", "thumbs_up", "thumbs_down"]},
+        {"type": "null"}]})] = None  # fmt: skip
     thumbs: Literal["up", "down"] | None = None
     text: str | None = Field(None, max_length=8000)
 
@@ -391,10 +484,8 @@ class LearningView(BaseModel):
     lessons: list[LessonView]  # oldest first
 
 
-class ApprovalDecision(BaseModel):
+class ApprovalDecision(Strict):
     """``POST /v1/approvals/{id}``: a person's decision on a held step."""
-
-    model_config = ConfigDict(extra="forbid")
 
     decision: Literal["approve", "reject"]
     reason: str | None = Field(None, max_length=2000)  # a rejection's reason reaches the model and the learner

@@ -188,3 +188,134 @@ async def test_a_404_never_echoes_a_huge_id_in_full(tmp_path):
     for response in (missing, unknown_model):
         assert response.status_code == 404 and len(response.content) < 1000
         assert "900000 characters" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"foo": 1}, "foo", "'foo' is not a field this server reads"),
+        ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo", "'foo' is not a field"),
+        ({"stream_options": {"include_usage": True, "foo": 1}}, "stream_options.foo", "'foo' is not a field"),
+        ({"metadata": {"chat_id": "x"}}, "metadata", "not kept"),
+        ({"service_tier": "auto"}, "service_tier", "one service tier"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio", "audio"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted outputs"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning-effort"),
+        ({"web_search_options": {}}, "web_search_options", "search the web"),
+        ({"functions": [{"name": "f"}]}, "functions", "send tools"),
+        ({"function_call": "auto"}, "function_call", "send tool_choice"),
+        ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                       {"role": "user", "content": "hi"}]}, "messages.0.function_call", "send tool_calls"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools.0.function.strict",
+         "not held to the schema"),
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "pads no"),
+    ],
+    ids=["unknown", "unknown-in-message", "unknown-in-stream-options", "metadata", "service-tier", "modalities",
+         "audio", "prediction", "reasoning-effort", "web-search", "functions", "function-call",
+         "message-function-call", "strict-tool", "obfuscation"],
+)
+async def test_a_request_field_is_honoured_or_refused_by_name_never_ignored(tmp_path, extra, param, fragment):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await client.post("/v1/chat/completions", json=chat_body("hi") | extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert error["code"] in ("unsupported_field", "unsupported_value")
+
+
+async def test_an_unknown_feedback_field_is_refused_by_name(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await client.post("/v1/feedback", json={"turn_id": "t", "score": 1, "comment": "nice"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "comment"
+
+
+async def test_the_openai_client_hears_which_extra_field_was_refused(tmp_path):
+    import openai
+
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (http, _):
+        client = openai.AsyncOpenAI(base_url="http://whet/v1", api_key="unused", http_client=http)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body={"foo": 1})  # fmt: skip
+    assert refused.value.param == "foo" and "'foo' is not a field this server reads" in refused.value.message
+    assert refused.value.code == "unsupported_field"
+
+
+async def test_what_the_openai_client_sends_and_echoes_back_is_all_read(tmp_path):
+    """Tools, streaming, the reply echoed back as the client library models it (refusal, name,
+    tool_calls, tool_call_id), and every field the client sends that this server honours."""
+    import openai
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Porto"}}</tool_call>'
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "weather", "strict": False,
+                                                "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+    async with serve(tmp_path, ScriptedBackend([call, "Sunny.", "You're welcome."])) as (http, res):
+        client = openai.AsyncOpenAI(base_url="http://whet/v1", api_key="unused", http_client=http)
+        asked = [{"role": "system", "content": "Be brief.", "name": "setup"},
+                 {"role": "user", "content": [{"type": "text", "text": "Weather in Porto?"}], "name": "ana"}]
+        first = await client.chat.completions.create(
+            model="scripted", messages=asked, tools=[weather], tool_choice="auto", parallel_tool_calls=True,
+            temperature=0.5, top_p=0.9, seed=7, stop=["\n\n"], max_completion_tokens=64, n=1, user="ana",
+            store=True, logprobs=False, frequency_penalty=0, presence_penalty=0,
+        )  # fmt: skip
+        message = first.choices[0].message
+        assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+        # the message as the library models it, every attribute included (refusal=None, ...)
+        echoed = {k: v for k, v in message.model_dump().items() if k in ("role", "content", "refusal", "tool_calls")}
+        follow = [*asked, echoed, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+        stream = await client.chat.completions.create(model="scripted", messages=follow, tools=[weather], stream=True,
+                                                      stream_options={"include_usage": True})  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sunny."
+        assert chunks[-1].usage is not None
+        refused = [*follow, {"role": "assistant", "content": None, "refusal": "I can't say."},
+                   {"role": "user", "content": "thanks"}]  # fmt: skip
+        last = await client.chat.completions.create(model="scripted", messages=refused)
+        assert last.choices[0].message.content == "You're welcome."
+        turn = await res.store.get_turn(last.id)
+        assert any(m["content"] == "I can't say." for m in turn.prompt_messages if m["role"] == "assistant")
+
+
+async def test_the_schema_says_which_fields_and_values_are_read(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"]), server={"max_messages": 7, "max_tokens_cap": 99}) as (client, _):
+        schema = (await client.get("/openapi.json")).json()
+    parts = schema["components"]["schemas"]
+    chat = parts["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and parts["ChatMessage"]["additionalProperties"] is False
+    assert parts["FeedbackRequest"]["additionalProperties"] is False
+    assert "metadata" not in chat["properties"] and chat["properties"]["messages"]["maxItems"] == 7
+    assert chat["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 99
+    assert {"const": "required"} not in chat["properties"]["tool_choice"]["anyOf"]
+    routes = schema["paths"]
+    assert {"404", "500"} <= set(routes["/v1/turns/{turn_id}"]["get"]["responses"])
+    assert "text/plain" in routes["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in routes["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("send", "param"),
+    [
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", temperature="0.5")), "temperature"),
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", stream="true")), "stream"),
+        (lambda c: c.post("/v1/chat/completions", json=chat_body("hi", max_tokens=2.5)), "max_tokens"),
+        (lambda c: c.post("/v1/feedback", json={"turn_id": "t", "score": "1"}), "score"),
+        (lambda c: c.delete("/v1/lessons/66800622778585354076160"), "lesson_id"),
+    ],
+    ids=["number-as-string", "bool-as-string", "fractional-int", "score-as-string", "lesson-id-past-int64"],
+)
+async def test_a_value_is_read_in_its_json_type_only(tmp_path, send, param):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await send(client)
+        whole = await client.post("/v1/chat/completions", json=chat_body("hi", max_tokens=5.0))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+    assert whole.status_code == 200, whole.text  # 5.0 is JSON's integer 5
+
+
+async def test_a_405_names_every_method_the_path_allows(tmp_path):
+    async with serve(tmp_path, ScriptedBackend(["ok"])) as (client, _):
+        response = await client.request("PUT", "/v1/approvals/some-id")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "GET, POST" and response.json()["error"]["message"]

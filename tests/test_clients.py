@@ -146,7 +146,7 @@ async def test_another_model_name_is_served_by_default_and_refused_when_strict(t
     async with serve(tmp_path, ScriptedBackend(["hello"])) as (http, _):
         reply = await openai_client(http).chat.completions.create(
             model="gpt-4o", messages=[{"role": "user", "content": "hi"}], user="u1",
-            stream_options=None, extra_body={"metadata": {"chat_id": "x"}},
+            stream_options=None,
         )
         assert reply.model == "scripted" and reply.choices[0].message.content == "hello"
     (tmp_path / "strict").mkdir()
@@ -156,10 +156,11 @@ async def test_another_model_name_is_served_by_default_and_refused_when_strict(t
 
 
 async def test_what_open_webui_and_librechat_send_is_accepted_with_usage_in_the_stream(tmp_path):
-    # the shapes both send: stream_options.include_usage, a user id, zero penalties, their own extra keys
+    # the shapes both send: stream_options.include_usage, a user id, zero penalties (Open WebUI keeps
+    # its own metadata to itself: its OpenAI router pops the key before forwarding the body)
     body = chat_body("hi", stream=True, stream_options={"include_usage": True}, user="librechat-user-1",
                      frequency_penalty=0, presence_penalty=0, top_p=1, temperature=0.7, max_tokens=64,
-                     metadata={"chat_id": "abc"}, model="llama3.1:latest")  # fmt: skip
+                     model="llama3.1:latest")  # fmt: skip
     async with serve(tmp_path, ScriptedBackend(["Hello there"])) as (http, res):
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
