@@ -173,3 +173,31 @@ def test_unreadable_file_and_bad_json_raise_config_error(tmp_path: Path):
     with pytest.raises(ConfigError) as bad:
         load_mcp_servers(broken, {})
     assert "not valid JSON" in bad.value.problem and "line" in bad.value.problem
+
+
+def _readme_mcp_example() -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### MCP servers"):]
+    return section[section.index("```json") + len("```json"):section.index("```", section.index("```json") + 7)]
+
+
+@pytest.mark.anyio
+async def test_the_readmes_mcp_example_works_as_pasted(tmp_path):
+    """Copied as is, with none of its optional variables set: it loads, keeps notes in whet's data
+    directory, leaves the remote server off until it is configured, and every enabled server starts."""
+    import sys
+
+    from whet.runtime.tools import ToolPool
+
+    path = tmp_path / "mcp.json"
+    path.write_text(_readme_mcp_example())
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    specs = load_mcp_servers(path, {"WHET_PYTHON": sys.executable, "WHET_DATA_DIR": str(data_dir)})
+    by_name = {spec.name: spec for spec in specs}
+    assert set(by_name) == {"time", "git", "notes", "remote"}
+    assert isinstance(by_name["remote"].transport, HttpTransport) and by_name["remote"].disabled
+    assert by_name["notes"].transport.args[-1] == f"{data_dir}/notes.db"
+    async with ToolPool(specs, start_timeout=60) as pool:
+        assert pool.status() == {"time": "ready", "git": "ready", "notes": "ready"}, pool.status()
+        assert {"get_current_time", "git_status", "add_note"} <= {tool.name for tool in pool.tools()}
