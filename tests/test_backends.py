@@ -175,6 +175,16 @@ async def test_an_agents_next_step_reuses_the_cache_of_its_first_and_samples_the
 
 
 @pytest.mark.anyio
+def test_special_tokens_a_model_writes_never_reach_the_reply_text(backend):
+    """A sampled <|im_start|> or <|endoftext|> mid-answer is a token id the learner keeps, not text a user reads."""
+    tokenizer = backend.tokenizer
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>", "<|im_end|>")]
+    assert len(set(specials)) == 3  # each its own token in the vocabulary
+    words = tokenizer.encode("Hello there", add_special_tokens=False)
+    text, cut = backend._decode([*words[:1], *specials, *words[1:], specials[-1]], ())
+    assert text == "Hello there" and not cut
+
+
 async def test_stream_deltas_concatenate_to_the_final_text_and_match_generate(backend):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=11)
     deltas, final = await _collect(backend.stream(USER, [], params))
