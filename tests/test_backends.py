@@ -174,7 +174,6 @@ async def test_an_agents_next_step_reuses_the_cache_of_its_first_and_samples_the
     assert cached.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
 
 
-@pytest.mark.anyio
 def test_special_tokens_a_model_writes_never_reach_the_reply_text(backend):
     """A sampled <|im_start|> or <|endoftext|> mid-answer is a token id the learner keeps, not text a user reads."""
     tokenizer = backend.tokenizer
@@ -185,6 +184,7 @@ def test_special_tokens_a_model_writes_never_reach_the_reply_text(backend):
     assert text == "Hello there" and not cut
 
 
+@pytest.mark.anyio
 async def test_stream_deltas_concatenate_to_the_final_text_and_match_generate(backend):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=11)
     deltas, final = await _collect(backend.stream(USER, [], params))
