@@ -18,6 +18,7 @@ are ignored with a warning, so a file copied from another client still loads.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -124,6 +125,8 @@ def _parse_entry(reader: _EntryReader) -> McpServerSpec:
     name, entry, key, source = reader.name, reader.entry, reader.key, reader.source
     if not name.strip():
         raise ConfigError(key, f"a server has an empty name (in {source})", "give every server a name")
+    if not _is_text(name):
+        raise ConfigError(key, f"the server name holds a NUL or a lone surrogate (in {source})", "rename the server")
     if not isinstance(entry, dict):
         fix = 'write {"command": "..."} or {"url": "..."}'
         raise ConfigError(key, f"must be an object (in {source})", fix)
@@ -146,12 +149,11 @@ def _transport(reader: _EntryReader) -> StdioTransport | HttpTransport:
         if "command" not in entry:
             fix = 'add "command": "program to run"'
             raise reader.error("command", "a stdio server needs a 'command'", fix)
-        cwd = reader.text("cwd") if "cwd" in entry else None
         return StdioTransport(
             command=reader.text("command", required=True),
             args=reader.strings("args"),
             env=reader.mapping("env"),
-            cwd=Path(cwd).expanduser() if cwd else None,
+            cwd=reader.directory("cwd") if "cwd" in entry else None,
         )
     if "url" not in entry:
         raise reader.error("url", f"an {kind} server needs a 'url'", 'add "url": "http://host:port/mcp"')
@@ -186,11 +188,11 @@ class _EntryReader:
     """Typed, variable-expanded reads of one server entry; errors carry the key path."""
 
     def __init__(self, name: str, entry: Any, root: str, variables: Mapping[str, str], source: str) -> None:
-        self.name, self.entry, self.key = name, entry, f"{root}.{name}"
+        self.name, self.entry, self.key = name, entry, f"{root}.{_shown(name)}"
         self.variables, self.source = variables, source
 
     def error(self, field: str, problem: str, fix: str) -> ConfigError:
-        return ConfigError(f"{self.key}.{field}", f"{problem} (in {self.source})", fix)
+        return ConfigError(f"{self.key}.{_shown(field)}", f"{problem} (in {self.source})", fix)
 
     def wrong_type(self, field: str, expected: str, value: Any, fix: str) -> ConfigError:
         return self.error(field, f"must be {expected}, got {_json_kind(value)}", fix)
@@ -203,6 +205,13 @@ class _EntryReader:
         if required and not expanded.strip():
             raise self.error(field, "is empty", f"set {field} to a non-empty value")
         return expanded
+
+    def directory(self, field: str) -> Path | None:
+        value = self.text(field)
+        try:
+            return Path(value).expanduser() if value else None
+        except RuntimeError:  # ~name of no user here
+            raise self.error(field, f"'{value.split('/')[0]}' names no user on this machine", "use ~/ or a full path") from None
 
     def strings(self, field: str) -> list[str]:
         value = self.entry.get(field, [])
@@ -221,6 +230,7 @@ class _EntryReader:
             raise self.wrong_type(field, "an object of strings", value, f'write "{field}": {{}}')
         out = {}
         for name, item in value.items():
+            self.checked(name, f"{field}.{name}")
             if not isinstance(item, str):
                 raise self.wrong_type(f"{field}.{name}", "a string", item, 'quote it, e.g. "1"')
             out[name] = self.expand(item, f"{field}.{name}")
@@ -236,7 +246,7 @@ class _EntryReader:
         value = self.entry.get(field)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             problem = f"must be a positive number of seconds, got {json.dumps(value)}"
             raise self.error(field, problem, f'write "{field}": 30')
         return float(value)
@@ -266,7 +276,17 @@ class _EntryReader:
                 f"set {name} in the environment, or write ${{{name}:-default}}",
             )
 
-        return _REFERENCE.sub(substitute, value)
+        return self.checked(_REFERENCE.sub(substitute, value), field)
+
+    def checked(self, value: str, field: str) -> str:
+        """No command, argument, variable, path, URL or header can carry a NUL or a lone surrogate (a
+        ``\\ud800`` escape is valid JSON but not text): refused here, not at launch or on the wire."""
+        if "\x00" in value:
+            raise self.error(field, "contains a NUL character", "remove it (or the variable that holds it)")
+        if not _is_text(value):
+            problem = "contains a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not text"
+            raise self.error(field, problem, "write the character itself, or a surrogate pair")
+        return value
 
 
 _JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list"}
@@ -277,6 +297,20 @@ def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
     return "an object" if isinstance(value, dict) else _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _is_text(value: str) -> bool:
+    """No NUL and no lone surrogate: a string that can reach argv, an environment, a URL or a log."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
+def _shown(key: str) -> str:
+    """A key as an error shows it: any JSON string, with a lone surrogate escaped so the message prints."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _strip_jsonc(text: str) -> str:

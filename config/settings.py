@@ -10,6 +10,7 @@ level). Everything below the entrypoint receives the resulting
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,7 +29,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+
+from whet.config.jsontext import JsonTextError, parse_json
 
 
 class ConfigError(Exception):
@@ -40,6 +44,20 @@ class ConfigError(Exception):
             message += f"\n  fix: {fix}"
         super().__init__(message)
 
+
+def _usable_path(path: Path) -> Path:
+    """A path whet can open later: ``~user`` names a user here and there is no NUL in it (both
+    would otherwise surface as a crash at start, far from the key that caused them)."""
+    if "\x00" in str(path):
+        raise ValueError("a path cannot contain a NUL character")
+    try:
+        path.expanduser()
+    except RuntimeError:
+        raise ValueError(f"'{str(path).split('/')[0]}' names no user on this machine") from None
+    return path
+
+
+UserPath = Annotated[Path, AfterValidator(_usable_path)]
 
 MASK = "***"
 
@@ -183,7 +201,7 @@ class AgentConfig(Section):
 
 class McpConfig(Section):
     # path of an mcpServers JSON file; None means the shipped config/mcp.json (bundled servers)
-    config: Path | None = None
+    config: UserPath | None = None
     call_timeout: float = Field(30.0, gt=0)
     max_result_chars: int = Field(16_000, gt=0)
     start_timeout: float = Field(20.0, gt=0)
@@ -345,7 +363,7 @@ class WhetConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="WHET_", env_nested_delimiter="__", extra="forbid")
 
-    data_dir: Path = Path("~/.local/share/whet")
+    data_dir: UserPath = Path("~/.local/share/whet")
     server: ServerConfig = Field(default_factory=ServerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -410,16 +428,30 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read the config file ({exc.strerror})", "pass an existing file to --config") from None
+        text = path.expanduser().read_text(encoding="utf-8")
+    except UnicodeError:
+        raise ConfigError(str(path), "the config file is not UTF-8 text", "save it as UTF-8") from None
+    except (OSError, RuntimeError, ValueError) as exc:  # missing, ~nobody, a NUL in the path
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        raise ConfigError(str(path), f"cannot read the config file ({reason})", "pass an existing file to --config") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), f"not valid YAML: {exc}", "fix the YAML syntax at the position shown") from None
+    except RecursionError:
+        raise ConfigError(str(path), "nested too deeply to read", "the config is a few levels of sections and keys") from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), "the top level must be a mapping of sections", "start the file with e.g. 'model:'")
+    _check_section_names(data, str(path))
     return data
+
+
+def _check_section_names(data: Mapping[Any, Any], source: str) -> None:
+    """Top-level keys become keyword arguments: a number or ``null`` there must be a ConfigError, not a TypeError."""
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(repr(key), f"a section name must be text, not {type(key).__name__}",
+                              f"use a section name such as 'model' (in {source})")  # fmt: skip
 
 
 def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | None = None) -> WhetConfig:
@@ -430,7 +462,9 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     _check_env_sections(os.environ)
     data = _read_yaml(shipped_path("whet.yaml"))
     if path is not None:
-        data = _merge(data, _read_yaml(Path(path).expanduser()))
+        data = _merge(data, _read_yaml(Path(path)))
+    if overrides:
+        _check_section_names(overrides, "the overrides")
     try:
         config = WhetConfig(**data)
         if overrides:
@@ -440,6 +474,8 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
             config = WhetConfig(**_merge(dumped, overrides))
     except ValidationError as exc:
         raise _config_error(exc) from None
+    except (SettingsError, RecursionError) as exc:  # a WHET_* value pydantic-settings could not decode as JSON
+        raise _env_error(exc, os.environ) from None
     return config
 
 
@@ -455,6 +491,27 @@ def _check_env_sections(environ: Mapping[str, str]) -> None:
         if section not in sections:
             raise ConfigError(variable, f"unknown config section '{section}' in this environment variable",
                               f"use one of {', '.join(sorted(sections))} (WHET_<SECTION>__<KEY>), or unset it")  # fmt: skip
+
+
+def _env_error(exc: Exception, environ: Mapping[str, str]) -> ConfigError:
+    """Name the variable: pydantic-settings names only the section (and says nothing on deep nesting)."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    prefix = f"WHET_{found.group(1)}".upper() if found else "WHET_"
+    candidates = [name for name in environ if name.upper() == prefix or name.upper().startswith(prefix + ("" if found is None else "__"))]
+    culprits = [name for name in candidates if not _is_json(environ[name])] or candidates or [prefix]
+    return ConfigError(
+        culprits[0],
+        "not a value whet can read: a list or mapping in an environment variable is written as JSON",
+        f"""write e.g. {culprits[0]}='["a", "b"]' or '{{"key": "value"}}', or unset it""",
+    )
+
+
+def _is_json(value: str) -> bool:
+    try:
+        parse_json(value)
+    except JsonTextError:
+        return False
+    return True
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

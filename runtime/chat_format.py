@@ -11,6 +11,7 @@ Prompt rendering lives in :mod:`whet.learner.prompt` (the learner needs it too).
 
 from __future__ import annotations
 
+import json
 import secrets
 
 from whet.config.jsontext import JsonTextError, parse_json
@@ -28,7 +29,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
     """Split a raw completion into ``(content, calls, errors)``.
 
     ``content`` is ``text`` with every ``<tool_call>...</tool_call>`` block (and an
-    unterminated trailing one) removed, stripped. ``calls`` are the blocks that
+    unterminated trailing one) removed, stripped; it never contains ``<tool_call>``. ``calls`` are the blocks that
     parsed, in order, each with a fresh ``call_<hex>`` id. ``errors`` holds one
     message per block that did not parse (invalid JSON, no name, arguments not
     an object, no closing tag), naming the block's number and the fix.
@@ -53,7 +54,18 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
             errors.append(f"tool call {number}: {error}; {_FIX}")
         pos = end + len(TOOL_CALL_CLOSE)
     pieces.append(text[pos:])
-    return "".join(pieces).strip(), calls, errors
+    return _join(pieces).strip(), calls, errors
+
+
+def _join(pieces: list[str]) -> str:
+    """The text around the blocks, with a space where cutting a block out would join the halves of an
+    opening tag (``<tool_`` + block + ``call>``) into a new one: content never holds markup that reads
+    as a call."""
+    out = ""
+    for piece in pieces:
+        seam = out[-len(TOOL_CALL_OPEN) + 1 :] + piece[: len(TOOL_CALL_OPEN) - 1]
+        out += (" " if TOOL_CALL_OPEN in seam else "") + piece
+    return out
 
 
 def _parse_block(body: str) -> tuple[ToolCall | None, str]:
@@ -76,4 +88,8 @@ def _parse_block(body: str) -> tuple[ToolCall | None, str]:
         arguments = {}
     if not isinstance(arguments, dict):
         return None, f'"arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}'
+    try:  # a \ud800 escape without its pair is valid JSON but no text: no client or MCP server could take it
+        json.dumps([name, arguments], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None, "a string holds a lone surrogate (a \\ud800-\\udfff escape without its pair)"
     return ToolCall(id=new_call_id(), name=name.strip(), arguments=arguments), ""
