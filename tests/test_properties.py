@@ -21,7 +21,10 @@ from whet.config.settings import ConfigError, load_config
 from whet.learner.prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, render_chatml
 from whet.runtime.chat_format import parse_tool_calls
 
-FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomized: the same examples every run, so CI never meets a new one by chance (run with
+# --hypothesis-seed=random, or derandomize off, to explore further)
+FAST = settings(max_examples=200, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 
 # text with the markup's own pieces in it, so blocks open, close, nest and break often
 MARKUP = st.lists(
@@ -108,12 +111,11 @@ YAML_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=F
 SECTIONS = ["server", "model", "mcp", "store", "bus", "memory", "learner", "agent", "log", "data_dir", "nonsense", 1, None]
 KEYS = ["port", "host", "api_keys", "id", "backend", "dtype", "scope", "batch_size", "lora", "gate", "url",
         "trusted_users", "rehearsal", "objective", "max_tokens_cap", "format", "level", "config", "x"]  # fmt: skip
-CONFIG_DOCS = st.recursive(
-    YAML_SCALARS,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
-    max_leaves=8,
-).flatmap(lambda leaf: st.dictionaries(st.sampled_from(SECTIONS), st.just(leaf) | CONFIG_LEAF, max_size=3))
 CONFIG_LEAF = st.dictionaries(st.sampled_from(KEYS), YAML_SCALARS | st.lists(YAML_SCALARS, max_size=2), max_size=3)
+# a section's value: a scalar, a list, keys with scalars, or keys with keys (two levels, as the config nests)
+SECTION_VALUES = YAML_SCALARS | st.lists(YAML_SCALARS, max_size=3) | CONFIG_LEAF | st.dictionaries(
+    st.sampled_from(KEYS), CONFIG_LEAF, max_size=2)
+CONFIG_DOCS = st.dictionaries(st.sampled_from(SECTIONS), SECTION_VALUES, max_size=3)
 
 
 @FAST
