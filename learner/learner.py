@@ -346,15 +346,15 @@ class Learner:
         )
         samples = [self._sample(trainer, j, t) for j, t in batch]
         regression = self._regression or []
-        before = [trainer.mean_logprob(p, r) for _, p, r in held]
+        before = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_before = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
         stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight)
         baseline.update([s.score for s in samples])
-        after = [trainer.mean_logprob(p, r) for _, p, r in held]
-        reg_after = [trainer.mean_logprob(p, r) for p, r in regression]
+        after = trainer.mean_logprobs([(p, r) for _, p, r in held])
+        reg_after = trainer.mean_logprobs(regression)
         self._hook("after_step")
         state = {
             "version": version,
@@ -390,7 +390,7 @@ class Learner:
         """The regression set under the live version (loaded in ``trainer``): the same for every
         candidate made from it, so it is replayed once per live version."""
         if self._regression_live is None or self._regression_live[0] != live:
-            self._regression_live = (live, [trainer.mean_logprob(p, r) for p, r in regression])
+            self._regression_live = (live, trainer.mean_logprobs(regression))
         return self._regression_live[1]
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:

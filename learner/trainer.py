@@ -18,6 +18,7 @@ it (``optimizer.pt``, which peft ignores), so a lineage resumes exactly.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -87,6 +88,7 @@ class LoraTrainer:
         # LoRA starts as the identity (B = 0): this copy is "the base weights" for reset(None)
         self._initial = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
         self.optimizer = self._new_optimizer()
+        self._step_caches: dict[tuple[int, ...], Any] = {}  # prompt keys and values a step reuses
         self.model.eval()
 
     @classmethod
@@ -139,16 +141,56 @@ class LoraTrainer:
         The prompt runs first without gradients and only its keys and values are kept: the loss
         reaches the adapter through the response tokens alone. The prompt is context, not an
         action, and its backward pass (hundreds of tokens against tens) was most of a step's cost.
+        Inside :meth:`step` the prompts' keys and values come from :meth:`_prompt_caches`.
         """
         prompt, response = list(prompt_ids), list(response_ids)
         cache = None
         with self._autocast():
             if len(prompt) > 1:
-                with torch.no_grad():
-                    cache = cache_of(self.model(torch.tensor([prompt[:-1]], device=self.device), use_cache=True))
+                kept = self._step_caches.get(tuple(prompt[:-1]))
+                if kept is not None:
+                    cache = copy.deepcopy(kept)  # a forward pass appends to the cache it is given
+                else:
+                    with torch.no_grad():
+                        cache = cache_of(self.model(torch.tensor([prompt[:-1]], device=self.device), use_cache=True))
             tail = torch.tensor([[prompt[-1], *response[:-1]]], device=self.device)  # [1, T]: token i predicts i+1
             logits = self.model(tail, **with_cache(cache), use_cache=cache is not None).logits[0]  # [T, V]
         return torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+
+    def _prompt_caches(self, prompts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
+        """Keys and values of each prompt (all but its last token), without gradients, under the
+        adapter as it is now: the prefix all prompts share (the system prompt and the tool list)
+        runs once, then each prompt's own rest.
+
+        A step reuses them in every pass over its batch and for every response scored against the
+        same prompt, so the prompts are read once a step rather than once a pass and a response:
+        prefill was most of a multi-pass step. In passes after the first, the prompt's keys and
+        values are the step's starting adapter's, not the updated one's; the loss reaches the
+        adapter through the response tokens alone either way (see :meth:`response_distributions`).
+        """
+        keys = list(dict.fromkeys(tuple(p[:-1]) for p in prompts if len(p) > 1))
+        if not keys:
+            return {}
+        common = os.path.commonprefix(keys) if len(keys) > 1 else ()
+        caches: dict[tuple[int, ...], Any] = {}
+        with torch.no_grad(), self._autocast():
+            shared = cache_of(self.model(torch.tensor([common], device=self.device), use_cache=True)) if common else None
+            for key in keys:
+                cache = copy.deepcopy(shared) if shared is not None else None
+                rest = key[len(common):]
+                if rest:
+                    cache = cache_of(self.model(torch.tensor([rest], device=self.device), **with_cache(cache),
+                                                use_cache=True))  # fmt: skip
+                caches[key] = cache
+        return caches
+
+    @contextmanager
+    def _reusing_prompts(self, prompts: Sequence[Sequence[int]]) -> Iterator[None]:
+        self._step_caches = self._prompt_caches(prompts)
+        try:
+            yield
+        finally:
+            self._step_caches = {}
 
     def response_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
         """log p(response_t | prompt, response_<t) under the current adapter, [T]; grad follows torch's mode."""
@@ -174,8 +216,24 @@ class LoraTrainer:
 
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The average per-token log-prob of a response: the promotion gate's replay measure."""
-        with torch.no_grad():
-            return float(self.response_logprobs(prompt_ids, response_ids).mean())
+        return self.mean_logprobs([(prompt_ids, response_ids)])[0]
+
+    def mean_logprobs(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        """:meth:`mean_logprob` of each (prompt, response), exactly under the adapter as it is now;
+        the prefix the prompts share is read once for all of them."""
+        keys = [tuple(p[:-1]) for p, _ in items]
+        common = os.path.commonprefix(keys) if len(keys) > 1 else ()
+        out = []
+        with torch.no_grad(), self._autocast():
+            shared = cache_of(self.model(torch.tensor([common], device=self.device), use_cache=True)) if common else None
+            for prompt, response in items:
+                tokens, start = [*prompt, *response], len(common) if shared is not None else 0
+                cache = copy.deepcopy(shared) if start else None
+                ids = torch.tensor([tokens[start:-1]], device=self.device)  # [1, L]: token i predicts i+1
+                logits = self.model(ids, **with_cache(cache), use_cache=cache is not None).logits[0, -len(response):]
+                picked = _pick(torch.log_softmax(logits.float(), dim=-1), response)  # [T]
+                out.append(float(picked.mean()))
+        return out
 
     def _autocast(self):
         """bfloat16 matmuls over float32 weights where the hardware has them (``lora.precision``)."""
@@ -209,9 +267,10 @@ class LoraTrainer:
                 with self.model.disable_adapter():
                     reference = [self.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
         first: float | None = None
-        for _ in range(self.lora.epochs):
-            stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
-            first = stats["loss"] if first is None else first
+        with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal]):
+            for _ in range(self.lora.epochs):
+                stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
+                first = stats["loss"] if first is None else first
         stats["loss_first"] = float(first if first is not None else 0.0)
         stats["samples"] = float(len(samples))
         return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -170,6 +171,31 @@ def test_the_adapter_round_trips_through_save_and_load(tiny_model, tmp_path):
     again.reset(None)  # back to the base weights
     with torch.no_grad():
         assert not torch.allclose(again.response_logprobs(prompt, response), trainer.response_logprobs(prompt, response))
+
+
+def test_prompts_read_once_a_step_give_the_same_log_probs_and_the_same_one_pass_step(tiny_model, monkeypatch):
+    trainer = new_trainer(tiny_model)
+    batch = [sample(trainer, "a", "What is 2+2?", "4", 1), sample(trainer, "b", "Hello?", "Hi there.", -1),
+             sample(trainer, "c", "Name a colour.", "Blue.", 1)]  # fmt: skip
+    trainer.step(batch, 0.0)  # an adapter that is not the identity, so the adapter's keys and values count
+    items = [(s.prompt_ids, s.response_ids) for s in batch] + [([5], [6, 7])]  # a one-token prompt too
+    with torch.no_grad():
+        one_by_one = [float(trainer.response_logprobs(p, r).mean()) for p, r in items]
+    assert trainer.mean_logprobs(items) == pytest.approx(one_by_one, abs=1e-5)
+    assert len(os.path.commonprefix([s.prompt_ids for s in batch])) > 5  # the shared prefix was used
+
+    # one pass: the reused keys and values are exactly the step's own, so the update is the same
+    exact = LORA.model_copy(update={"dropout": 0.0})  # (the default) dropout would make two steps differ anyway
+    torch.manual_seed(0)
+    reused = new_trainer(tiny_model, lora=exact)
+    torch.manual_seed(0)  # the same LoRA initialisation
+    fresh = new_trainer(tiny_model, lora=exact)
+    reused.step(batch, 0.0, rehearsal=[(batch[0].prompt_ids, batch[0].response_ids)])
+    monkeypatch.setattr(fresh, "_prompt_caches", lambda prompts: {})
+    fresh.step(batch, 0.0, rehearsal=[(batch[0].prompt_ids, batch[0].response_ids)])
+    a, b = reused.lora_state(), fresh.lora_state()
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_layers_train_alone(tiny_model):
