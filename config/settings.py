@@ -227,6 +227,9 @@ class McpConfig(Section):
 class StoreConfig(Section):
     # SQLAlchemy URL; None means SQLite (WAL) at <data_dir>/whet.db
     url: SecretUrl = None
+    # SQLite only. normal: a commit does not wait for the disk; survives whet crashing or being killed,
+    # a power cut may take back the last commits. full: every commit waits for the disk (slower)
+    sqlite_sync: Literal["normal", "full"] = "normal"
 
 
 class BusConfig(Section):

@@ -29,7 +29,7 @@ from whet.memory.store import Store, open_store
 
 @asynccontextmanager
 async def _opened(config: WhetConfig, role: str) -> AsyncIterator[tuple[Store, Bus]]:
-    store = await anyio.to_thread.run_sync(open_store, config.store_url)
+    store = await anyio.to_thread.run_sync(open_store, config.store_url, config.store.sqlite_sync)
     bus = open_bus(config.bus.url, config.bus.client_id or f"whet-{role}-{os.getpid()}")
     try:
         await bus.start()

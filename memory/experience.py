@@ -20,11 +20,12 @@ class Experience:
         self.store = store
         self.bus = bus
 
-    async def record(self, turn: TurnCreate, turn_id: str | None = None, *, learn: bool = True) -> Turn:
-        """Store one model action. ``learn=False`` (a request with ``store: false``): it is kept
-        for its session like any other, with a neutral verdict that no judge replaces, so it
-        never becomes a training sample, a lesson or credit."""
-        row = await self.store.add_turn(turn, turn_id=turn_id)
+    async def record(self, turn: TurnCreate, turn_id: str | None = None, *, learn: bool = True,
+                     tip_hash: str | None = None) -> Turn:  # fmt: skip
+        """Store one model action (and the session's new tip, when given). ``learn=False`` (a request
+        with ``store: false``): it is kept for its session like any other, with a neutral verdict that
+        no judge replaces, so it never becomes a training sample, a lesson or credit."""
+        row = await self.store.add_turn(turn, turn_id=turn_id, tip_hash=tip_hash)
         if not learn:
             await self.store.save_judgment(Judgment(
                 turn_id=row.id, user_id=row.user_id, request_id=row.request_id, policy_version=row.policy_version,
@@ -45,11 +46,8 @@ class Experience:
     async def close_open(self, session_id: str, kind: str, next_state: dict[str, Any]) -> list[Turn]:
         """Close every turn of the session still waiting for its next state, except a step held
         for approval: a person's decision on it is its next state (or its expiry)."""
-        held = {a.turn_id for a in await self.store.list_approvals(status="pending", session_id=session_id)}
         closed = []
-        for turn in await self.store.open_turns(session_id):
-            if turn.id in held:
-                continue
+        for turn in await self.store.open_turns(session_id, unheld=True):
             done = await self.close(turn.id, kind, next_state)
             if done is not None:
                 closed.append(done)

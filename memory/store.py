@@ -79,14 +79,21 @@ def _store_error(exc: OperationalError | InterfaceError | OSError) -> StoreUnava
 # ----------------------------------------------------------------------------- engine
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, sqlite_sync: str = "normal") -> Store:
     """Open (and create the tables of) the store at ``url``.
 
     ``sqlite:///relative/or/absolute.db`` (parent folder created; WAL journal),
     ``sqlite://`` (in memory, for tests), or ``postgresql://user:pw@host/db``
     (driven by psycopg 3). Raises ``ValueError`` for anything else.
+
+    ``sqlite_sync`` (``store.sqlite_sync``): ``normal`` commits to the WAL without waiting for the
+    disk: a committed turn survives whet being killed or crashing, and the file is never corrupted,
+    but a power cut or an OS crash can take the last commits back. ``full`` waits for the disk on
+    every commit (a few ms each on most disks, several per request) and survives those too.
     """
-    engine = _create_engine(_parse_url(url))
+    if sqlite_sync not in ("normal", "full"):
+        raise ValueError(f"sqlite_sync must be 'normal' or 'full', not {sqlite_sync!r}")
+    engine = _create_engine(_parse_url(url), sqlite_sync)
     SQLModel.metadata.create_all(engine, tables=TABLES)
     return Store(engine)
 
@@ -106,7 +113,7 @@ def _parse_url(url: str) -> URL:
     raise ValueError(f"store URL scheme {parsed.drivername!r} is not supported: {hint}")
 
 
-def _create_engine(url: URL) -> Engine:
+def _create_engine(url: URL, sqlite_sync: str = "normal") -> Engine:
     if url.get_backend_name() == "postgresql":
         # a database that stops answering is a StoreUnavailable after 10 s, never a request that hangs
         timeout = {} if "connect_timeout" in url.query else {"connect_timeout": 10}
@@ -120,24 +127,27 @@ def _create_engine(url: URL) -> Engine:
         path = Path(database).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url.set(database=str(path)), connect_args=connect_args)
-    event.listen(engine, "connect", _sqlite_pragmas)
+    event.listen(engine, "connect", lambda connection, _record: _sqlite_pragmas(connection, sqlite_sync))
     return engine
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, sync: str) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")  # see open_store
     # writers queue behind each other instead of failing with "database is locked"
     cursor.execute("PRAGMA busy_timeout=10000")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
 
-def _insert_ignore(db: Session, table: Any, **values: Any) -> int:
-    """INSERT that does nothing when the primary key exists (race-free get-or-create)."""
+def _insert_ignore(db: Session, table: Any, **values: Any) -> bool:
+    """INSERT that does nothing when the primary key exists (race-free get-or-create); True if it
+    inserted (RETURNING, as rowcount is not reliable for this statement on every driver)."""
     dialect = postgresql if db.get_bind().dialect.name == "postgresql" else sqlite
-    result = db.execute(dialect.insert(table).values(**values).on_conflict_do_nothing())
-    return result.rowcount
+    statement = dialect.insert(table).values(**values).on_conflict_do_nothing()
+    key = list(table.primary_key.columns)[0]
+    return db.execute(statement.returning(key)).first() is not None
 
 
 class _Clock:
@@ -199,19 +209,23 @@ class Store:
     async def create_session(self, user_id: str, session_id: str | None = None) -> ChatSession:
         """Create a session (and its user). An explicit id that exists already is returned when
         it is the same user's, and raises ``PermissionError`` when it belongs to someone else."""
+        return (await self.open_session(user_id, session_id))[0]
+
+    async def open_session(self, user_id: str, session_id: str | None = None) -> tuple[ChatSession, bool]:
+        """:meth:`create_session`, and whether this call made the session (a new one has no turns yet)."""
         _check_id("user_id", user_id)
         sid = session_id or "sess_" + uuid.uuid4().hex
         _check_id("session_id", sid)
 
-        def work(db: Session) -> ChatSession:
+        def work(db: Session) -> tuple[ChatSession, bool]:
             now = utcnow()
             _insert_ignore(db, User.__table__, id=user_id, created_at=now)
-            _insert_ignore(db, ChatSession.__table__, id=sid, user_id=user_id, tip_hash=None,
-                           created_at=now, updated_at=now)  # fmt: skip
+            made = _insert_ignore(db, ChatSession.__table__, id=sid, user_id=user_id, tip_hash=None,
+                                  created_at=now, updated_at=now)  # fmt: skip
             row = db.get(ChatSession, sid)
             if row is None or row.user_id != user_id:
                 raise PermissionError(f"session {sid!r} belongs to another user; use a new session id")
-            return row
+            return row, made
 
         return await self._run(work)
 
@@ -251,10 +265,11 @@ class Store:
 
     # ---- turns
 
-    async def add_turn(self, turn: TurnCreate, *, turn_id: str | None = None) -> Turn:
+    async def add_turn(self, turn: TurnCreate, *, turn_id: str | None = None, tip_hash: str | None = None) -> Turn:
         """Record one model action. The session must exist and belong to ``turn.user_id``
         (``KeyError`` / ``PermissionError`` otherwise). ``turn_id`` lets the caller name the
-        turn before it is written (streaming answers carry the id before the turn exists)."""
+        turn before it is written (streaming answers carry the id before the turn exists).
+        ``tip_hash``: the session's new tip (:meth:`set_session_tip`), written in the same transaction."""
         update_fields: dict[str, Any] = {"created_at": self._clock.now()}
         if turn_id is not None:
             update_fields["id"] = turn_id
@@ -269,6 +284,8 @@ class Store:
             if session.user_id != row.user_id:
                 raise PermissionError(f"session {row.session_id!r} does not belong to user {row.user_id!r}")
             db.add(row)
+            if tip_hash is not None:
+                session.tip_hash, session.updated_at = tip_hash, utcnow()
             return row
 
         return await self._run(work)
@@ -291,13 +308,14 @@ class Store:
 
         return await self._run(work)
 
-    async def open_turns(self, session_id: str) -> list[Turn]:
-        """The session's turns still waiting for their next state, oldest first."""
-        query = (
-            select(Turn)
-            .where(Turn.session_id == session_id, Turn.closed_at.is_(None))
-            .order_by(Turn.created_at, Turn.step)
-        )
+    async def open_turns(self, session_id: str, *, unheld: bool = False) -> list[Turn]:
+        """The session's turns still waiting for their next state, oldest first; ``unheld``: not
+        those held for a pending approval (a person's decision is their next state)."""
+        query = select(Turn).where(Turn.session_id == session_id, Turn.closed_at.is_(None))
+        if unheld:
+            held = select(Approval.turn_id).where(Approval.session_id == session_id, Approval.status == "pending")
+            query = query.where(Turn.id.not_in(held))
+        query = query.order_by(Turn.created_at, Turn.step)
         return await self._run(lambda db: list(db.exec(query).all()))
 
     async def get_turn(self, turn_id: str) -> Turn | None:

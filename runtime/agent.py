@@ -70,6 +70,7 @@ class AgentResult:
     usage: dict[str, int]
     messages: list[dict[str, Any]]  # the conversation as the model saw it, reply included
     approval: Approval | None = None  # set when the step waits for a person's decision
+    tip: str | None = None  # the session tip recorded with the turn (:func:`reply_tip`), if it was
 
 
 @dataclass
@@ -179,12 +180,17 @@ class Agent:
             held = [c for c in calls if c.name not in client_names and self._needs_approval(c)]
             final = (not calls and not errors) or bool(client_calls or held) or step == self.config.max_steps - 1
             turn_id = request.answer_turn_id if final else new_turn_id()
-            turn = await self._record(request, turn_id, step, messages, run.tools, generation)
             content = "".join(shown).strip()
+            # a plain answer, or calls all for the client: the reply the client gets is known now, so the
+            # session's tip is written with the turn (one transaction, not two); anything else, after
+            tip = None
+            if final and not held and (not calls and not errors or len(client_calls) == len(calls) and not errors):
+                tip = reply_tip(request, content, client_calls)
+            turn = await self._record(request, turn_id, step, messages, run.tools, generation, tip)
             if not calls and not errors:
                 messages.append({"role": "assistant", "content": generation.content})
                 finish = "stop" if generation.finish_reason == "tool_calls" else generation.finish_reason
-                yield self._result(turn, content, [], finish, run.usage, messages)
+                yield self._result(turn, content, [], finish, run.usage, messages, tip=tip)
                 return
             if held:  # none of the step's calls runs before a person decides
                 approval = await self._hold(request, run, turn, step, generation.content, calls, errors, held)
@@ -193,7 +199,7 @@ class Agent:
                 return
             result = await self._act_step(request, run, turn, generation.content, calls, errors)
             if result is not None:
-                yield result
+                yield dataclasses.replace(result, tip=tip)
                 return
         if not shown:
             shown.append(f"I stopped after {self.config.max_steps} tool steps without a final answer.")
@@ -269,8 +275,8 @@ class Agent:
     def _needs_approval(self, call: ToolCall) -> bool:
         return self.approvals.needs(self.tools.info(call.name))
 
-    def _result(self, turn, content, calls, finish, usage, messages, approval=None) -> AgentResult:
-        return AgentResult(turn, content, calls, finish, dict(usage), messages, approval)
+    def _result(self, turn, content, calls, finish, usage, messages, approval=None, tip=None) -> AgentResult:
+        return AgentResult(turn, content, calls, finish, dict(usage), messages, approval, tip)
 
     async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
         messages = await self._with_server_results(request.session_id, [dict(m) for m in request.messages])
@@ -356,7 +362,7 @@ class Agent:
                 yield safe
                 held = held[len(safe):]
 
-    async def _record(self, request, turn_id, step, messages, tools, generation: Generation) -> Turn:
+    async def _record(self, request, turn_id, step, messages, tools, generation: Generation, tip=None) -> Turn:
         turn = await self.experience.record(
             TurnCreate(
                 session_id=request.session_id,
@@ -375,6 +381,7 @@ class Agent:
             ),
             turn_id,
             learn=request.learn,
+            tip_hash=tip,
         )
         if self.metrics is not None:
             self.metrics.turn_recorded(generation)
@@ -436,6 +443,15 @@ def _safe_prefix(text: str) -> str:
     if TOOL_CALL_OPEN.startswith(tail):
         return text[:cut]
     return text
+
+
+def reply_tip(request: TurnRequest, content: str, client_calls: list[ToolCall]) -> str:
+    """The session's tip once ``request`` is answered with ``content`` and ``client_calls``: the hash
+    of the conversation as the client will send it back, which finds this session again."""
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    if client_calls:
+        reply["tool_calls"] = [c.to_openai() for c in client_calls]
+    return conversation_hash(request.user_id, [*request.messages, reply])
 
 
 def conversation_hash(user_id: str, messages: list[dict[str, Any]]) -> str:

@@ -14,7 +14,6 @@ from contextlib import aclosing, asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any, Literal
 
-import anyio
 import structlog
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +27,7 @@ from whet.config.settings import WhetConfig
 from whet.memory.bus import LESSON_DELETED
 from whet.memory.store import StoreFull, StoreUnavailable
 from whet.memory.tables import TurnPublic
-from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, resumed_request
+from whet.runtime.agent import AgentResult, Delta, TurnRequest, conversation_hash, reply_tip, resumed_request
 from whet.runtime.approvals import DECISIONS, approval_view, expire_due
 from whet.runtime.chat import (
     choice_logprobs,
@@ -322,10 +321,9 @@ def _install_routes(app: FastAPI) -> None:
         if auth_user != user_id and not is_admin(res, auth_user):
             raise ApiError(403, f"only user '{_echo(user_id)}' or an admin key may forget that user",
                            code="forbidden", param="user_id")  # fmt: skip
+        # this replica's index at once (the bus event reaches the others, and this one again, idempotently)
         report = await forget_user(user_id, store=res.store, bus=res.bus, tools=res.tools,
-                                   adapters_root=res.config.data_path / "adapters")  # fmt: skip
-        # this replica at once (the bus event reaches the others, and this one again, idempotently)
-        report.index = await anyio.to_thread.run_sync(res.index.remove_user, user_id)
+                                   adapters_root=res.config.data_path / "adapters", index=res.index)  # fmt: skip
         await res.adapters.deactivate(user_id)
         if not report.complete:
             failed = "; ".join(f"{server}: {why}" for server, why in report.failed.items())
@@ -553,10 +551,11 @@ async def _turn_request(
     # the new messages are the next state of whatever this session left open
     trailing = new_session_messages(messages)
     history = messages[: len(messages) - len(trailing)]
-    session_id = await _session_for(res, user_id, explicit_session, history)
+    session_id, made = await _session_for(res, user_id, explicit_session, history)
     structlog.contextvars.bind_contextvars(session=session_id)
-    kind = "tool_result" if trailing[0]["role"] == "tool" else "user_message"
-    await res.experience.close_open(session_id, kind, {"messages": trailing})
+    if not made:  # a session this request made has no turns to close
+        kind = "tool_result" if trailing[0]["role"] == "tool" else "user_message"
+        await res.experience.close_open(session_id, kind, {"messages": trailing})
     model = res.config.model
     params = SamplingParams(
         max_new_tokens=min(body.max_completion_tokens or body.max_tokens or model.max_new_tokens, model.max_new_tokens),
@@ -572,27 +571,30 @@ async def _turn_request(
                        learn=body.store is not False)
 
 
-async def _session_for(res: Resources, user_id: str, explicit: str | None, history: list[dict[str, Any]]) -> str:
-    """The session a request continues: named explicitly, or the one whose last reply ends ``history``."""
+async def _session_for(res: Resources, user_id: str, explicit: str | None,
+                       history: list[dict[str, Any]]) -> tuple[str, bool]:  # fmt: skip
+    """The session a request continues: named explicitly, or the one whose last reply ends ``history``;
+    and whether this request made it."""
     if explicit:
         try:
-            return (await res.store.create_session(user_id, explicit)).id
+            row, made = await res.store.open_session(user_id, explicit)
         except PermissionError:
             raise ApiError(403, f"session '{explicit}' belongs to another user", code="session_forbidden") from None
+        return row.id, made
     if any(m["role"] == "assistant" for m in history):
         found = await res.store.find_session_by_tip(user_id, conversation_hash(user_id, history))
         if found is not None:
-            return found.id
-    return (await res.store.create_session(user_id)).id
+            return found.id, False
+    row, made = await res.store.open_session(user_id)
+    return row.id, made
 
 
 async def _remember_tip(res: Resources, request: TurnRequest, result: AgentResult) -> None:
-    """Remember how the conversation stands, so the client's next request finds this session."""
-    reply: dict[str, Any] = {"role": "assistant", "content": result.content}
-    if result.client_tool_calls:
-        reply["tool_calls"] = [c.to_openai() for c in result.client_tool_calls]
-    tip = conversation_hash(request.user_id, [*request.messages, reply])
-    await res.store.set_session_tip(request.session_id, tip)
+    """Remember how the conversation stands, so the client's next request finds this session
+    (the agent wrote it with the answer's turn where it could)."""
+    tip = reply_tip(request, result.content, result.client_tool_calls)
+    if tip != result.tip:
+        await res.store.set_session_tip(request.session_id, tip)
 
 
 async def _stream(

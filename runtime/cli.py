@@ -372,7 +372,7 @@ def _turns(args: argparse.Namespace) -> int:
     config = _load(args)
 
     async def show() -> None:
-        store = open_store(config.store_url)
+        store = open_store(config.store_url, config.store.sqlite_sync)
         try:
             turns = await store.list_turns(session_id=args.session, user_id=args.user, limit=args.limit)
             for turn in reversed(turns):
@@ -403,7 +403,7 @@ def _forget(args: argparse.Namespace) -> int:
     pool = configured_tool_pool(config)
 
     async def run() -> Any:
-        store = open_store(config.store_url)
+        store = open_store(config.store_url, config.store.sqlite_sync)
         bus = open_bus(config.bus.url, config.bus.client_id)
         await bus.start()
         try:

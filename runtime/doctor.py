@@ -161,7 +161,7 @@ async def _store(config: WhetConfig) -> tuple[bool, str, str]:
 
     shown = redact(config.store)["url"] or f"sqlite:///{config.data_path / 'whet.db'}"
     try:
-        store = await anyio.to_thread.run_sync(open_store, config.store_url)
+        store = await anyio.to_thread.run_sync(open_store, config.store_url, config.store.sqlite_sync)
     except Exception as exc:  # boundary: any failure to open is the finding
         return False, f"{shown}: {type(exc).__name__}: {exc}".splitlines()[0], _store_fix(config)
     try:

@@ -21,6 +21,7 @@ import structlog
 
 from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import USER_FORGOTTEN, Bus
+from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.runtime.tools import ToolPool
 
@@ -47,14 +48,18 @@ class ForgetReport:
                 "tools": self.tools, "failed": self.failed, "complete": self.complete}  # fmt: skip
 
 
-async def forget_user(user_id: str, *, store: Store, bus: Bus, tools: ToolPool, adapters_root: Path) -> ForgetReport:
-    """Remove everything of ``user_id`` that whet keeps or reaches; see the module docstring."""
+async def forget_user(user_id: str, *, store: Store, bus: Bus, tools: ToolPool, adapters_root: Path,
+                      index: LessonIndex | None = None) -> ForgetReport:  # fmt: skip
+    """Remove everything of ``user_id`` that whet keeps or reaches; see the module docstring.
+    ``index``: this process's lesson index, emptied of the user straight after the store (before
+    anything else awaits, so the count is this call's, not the follower's that also reacts)."""
     registry = AdapterRegistry(store, bus, adapters_root)
     own = [Path(row.path) for row in await store.list_adapters(scope="user", user_id=user_id)]
     counts = await store.forget_user(user_id)
+    dropped = await anyio.to_thread.run_sync(index.remove_user, user_id) if index is not None else None
     others = {row.user_id for row in await store.list_adapters(scope="user")} - {user_id}
     files = await anyio.to_thread.run_sync(_remove_adapter_files, registry, user_id, own, others)
-    report = ForgetReport(user_id, counts, files)
+    report = ForgetReport(user_id, counts, files, index=dropped)
     for server, answer in (await tools.forget_user(user_id)).items():
         if answer.is_error:
             report.failed[server] = answer.content

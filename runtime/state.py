@@ -109,7 +109,7 @@ async def open_resources(
         tools = tools or configured_tool_pool(config)
         await tools.start(wait=False)
         stack.push_async_callback(tools.aclose)
-        store = await anyio.to_thread.run_sync(open_store, config.store_url)
+        store = await anyio.to_thread.run_sync(open_store, config.store_url, config.store.sqlite_sync)
         stack.push_async_callback(store.aclose)
         bus = open_bus(config.bus.url, config.bus.client_id)
         await bus.start()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -11,6 +14,7 @@ import pytest
 from sqlalchemy import event, text
 
 from whet.memory import Adapter, Store, TurnCreate, TurnPublic, open_store
+from whet.memory.tables import Approval, utcnow
 
 pytestmark = pytest.mark.anyio
 
@@ -74,7 +78,23 @@ async def exercise_core_round_trip(store: Store) -> None:
 
     assert await store.stats() == {"users": 1, "sessions": 1, "turns": 1, "open_turns": 0,
                                    "feedback": 1, "lessons": 1, "adapters": 0, "judgments": 0}  # fmt: skip
-    assert (await store.forget_user("alice"))["turns"] == 1
+    # a turn can move the tip in its own transaction; a new session says it is new, once
+    row, made = await store.open_session("alice", "sess-tip")
+    again, made_again = await store.open_session("alice", "sess-tip")
+    assert made and not made_again and again.id == row.id
+    tipped = await store.add_turn(TurnCreate(session_id=row.id, user_id="alice", step=0, model="m",
+                                             request_id="r-tip", response_text="hi"), tip_hash="tip-2")  # fmt: skip
+    assert (await store.find_session_by_tip("alice", "tip-2")).id == row.id
+    # a step held for approval is not among the turns a new message closes
+    held = await store.add_turn(TurnCreate(session_id=row.id, user_id="alice", step=1, model="m",
+                                           request_id="r-tip", response_text="delete?"))  # fmt: skip
+    await store.add_approval(Approval(turn_id=held.id, session_id=row.id, user_id="alice", request_id="r-tip",
+                                      calls=[], resume={}, created_at=utcnow(),
+                                      expires_at=utcnow() + timedelta(minutes=5)))  # fmt: skip
+    assert [t.id for t in await store.open_turns(row.id)] == [tipped.id, held.id]
+    assert [t.id for t in await store.open_turns(row.id, unheld=True)] == [tipped.id]
+
+    assert (await store.forget_user("alice"))["turns"] == 3
     assert await store.get_turn(added.id) is None
 
 
@@ -86,6 +106,36 @@ async def test_sqlite_store_runs_in_wal_mode_with_foreign_keys(store):
     with store.engine.connect() as connection:
         assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert connection.execute(text("PRAGMA foreign_keys")).scalar() == 1
+
+
+@pytest.mark.parametrize("sync, level", [("normal", 1), ("full", 2)])
+def test_sqlite_sync_sets_the_synchronous_pragma(tmp_path, sync, level):
+    store = open_store(f"sqlite:///{tmp_path}/whet.db", sync)
+    with store.engine.connect() as connection:
+        assert connection.execute(text("PRAGMA synchronous")).scalar() == level
+    store.engine.dispose()
+    with pytest.raises(ValueError, match="sqlite_sync"):
+        open_store(f"sqlite:///{tmp_path}/other.db", "off")
+
+
+def test_a_turn_committed_with_sqlite_sync_normal_survives_its_process_being_killed(tmp_path):
+    """``normal`` gives up durability on power loss only: kill -9 right after a commit loses nothing."""
+    script = f"""
+import asyncio, os, signal
+from whet.memory import TurnCreate, open_store
+async def main():
+    store = open_store("sqlite:///{tmp_path}/whet.db", "normal")
+    session = await store.create_session("alice")
+    await store.add_turn(TurnCreate(session_id=session.id, user_id="alice", step=0, model="m",
+                                    request_id="r1", response_text="kept"))
+    os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    store = open_store(f"sqlite:///{tmp_path}/whet.db")
+    with store.engine.connect() as connection:
+        assert connection.execute(text("SELECT response_text FROM turns")).scalars().all() == ["kept"]
 
 
 async def test_store_work_runs_off_the_event_loop_thread(store):
