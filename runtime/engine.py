@@ -15,8 +15,10 @@ transformers' own continuous batching (``generate_batch``) samples its tokens it
 paged cache, with no per-row LoRA adapter and no reuse of whet's prefix caches, so the loop is
 here; the forward pass, the cache and the per-row adapters are transformers' and peft's.
 
+Requests that arrive together are prefilled together: the backend's ``prefill`` takes every joining
+sequence at once, and may run short prompts as one left-padded pass (see ``TOGETHER_TOKENS_CPU``).
 Not done: a prompt is prefilled in one pass, so a long one pauses the batch's decoding meanwhile
-(chunked prefill would bound that pause), and prefills are not batched with each other.
+(chunked prefill would bound that pause).
 """
 
 from __future__ import annotations
@@ -61,14 +63,15 @@ class BatchEngine:
 
     ``sample(seqs, logits [B, V])`` picks each row's next token, returning (token, log-prob) per row
     (one call per step, so a GPU is waited for once per step, not twice per row); ``accept(seq, token,
-    logprob)`` adds it to ``seq`` (and emits its text), returning True when ``seq`` is finished. ``prefill(seq)`` returns (cache, logits [V]) for the
-    whole prompt; ``release(seq, cache)`` hands back a finished sequence's private cache.
+    logprob)`` adds it to ``seq`` (and emits its text), returning True when ``seq`` is finished.
+    ``prefill(seqs)`` returns, for each sequence, (its private cache, the first new token's logits [V])
+    or the exception that failed it; ``release(seq, cache)`` hands back a finished sequence's private cache.
     """
 
     def __init__(
         self,
         forward: Forward,
-        prefill: Callable[[Sequence], tuple[Any, torch.Tensor]],
+        prefill: Callable[[list[Sequence]], list[tuple[Any, torch.Tensor] | BaseException]],
         sample: Callable[[list[Sequence], torch.Tensor], list[tuple[int, float]]],
         accept: Callable[[Sequence, int, float], bool],
         release: Callable[[Sequence, Any], None],
@@ -129,8 +132,7 @@ class BatchEngine:
             try:
                 with torch.inference_mode():
                     while joining:  # those that arrived during a prefill join before the next step too
-                        for seq in joining:
-                            self._join(seq)
+                        self._join(joining)
                         with self._cond:
                             joining = [] if self._closed else self._admit()
                     if self.rows:
@@ -148,18 +150,47 @@ class BatchEngine:
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         return joining
 
-    def _join(self, seq: Sequence) -> None:
-        """Prefill ``seq`` alone, sample its first token, and add it to the batch unless it is done."""
-        try:
+    def _join(self, seqs: list[Sequence]) -> None:
+        """Prefill ``seqs`` (together where the backend can), sample each one's first token, and add
+        to the batch those it did not finish. A request that fails here fails alone."""
+        live = []
+        for seq in seqs:
             if seq.cancel.is_set() or seq.budget <= 0:
-                return self._finish(seq, None)
-            cache, logits = self._prefill(seq)
-            if self._accept(seq, *self._sample([seq], logits[None])[0]):
-                return self._finish(seq, cache)
-            self._add_row(seq, cache)
-        except Exception as exc:  # this request fails; the batch goes on
-            seq.error = exc
-            self._finish(seq, None)
+                self._finish(seq, None)
+            else:
+                live.append(seq)
+        if not live:
+            return
+        try:
+            prefilled = self._prefill(live)
+        except Exception as exc:  # the shared pass failed: each one fails alone, so try them one by one
+            if len(live) == 1:
+                prefilled = [exc]
+            else:
+                for seq in live:
+                    self._join([seq])
+                return
+        ready = [(seq, got) for seq, got in zip(live, prefilled, strict=True) if not isinstance(got, BaseException)]
+        for seq, got in zip(live, prefilled, strict=True):
+            if isinstance(got, BaseException):
+                seq.error = got
+                self._finish(seq, None)
+        if not ready:
+            return
+        try:
+            picks = self._sample([seq for seq, _ in ready], torch.stack([logits for _, (_, logits) in ready]))
+        except Exception as exc:
+            self._fail([seq for seq, _ in ready], exc)
+            return
+        for (seq, (cache, _)), pick in zip(ready, picks, strict=True):
+            try:
+                if self._accept(seq, *pick):
+                    self._finish(seq, cache)
+                else:
+                    self._add_row(seq, cache)
+            except Exception as exc:  # this request fails; the batch goes on
+                seq.error = exc
+                self._finish(seq, None)
 
     def _step(self) -> None:
         """One forward pass over every row, one token sampled for each; finished rows leave."""

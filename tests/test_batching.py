@@ -75,6 +75,23 @@ async def test_concurrent_greedy_requests_on_different_adapters_decode_together_
 
 
 @pytest.mark.anyio
+async def test_prompts_arriving_together_are_prefilled_in_one_padded_pass_as_each_would_be_alone(backend, monkeypatch):
+    from whet.runtime.prefix import PrefixCache
+
+    monkeypatch.setattr(backend, "prefixes", PrefixCache(entries=0))  # no prompt starts from a kept cache
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in BUDGETS]
+    alone = await _alone(backend, params)
+    together_sizes = []
+    real = backend._prefill_together
+    monkeypatch.setattr(backend, "_prefill_together", lambda seqs: together_sizes.append(len(seqs)) or real(seqs))
+    together = await decoded_together(
+        backend, [backend.generate(m, [], p, adapter=a) for m, p, a in zip(PROMPTS, params, ADAPTERS, strict=True)]
+    )
+    _same(together, alone)  # padded prompts of different lengths, on three adapters, give each its own tokens
+    assert together_sizes and max(together_sizes) > 1 and sum(together_sizes) <= len(PROMPTS)
+
+
+@pytest.mark.anyio
 async def test_seeded_sampling_with_per_request_settings_is_unchanged_by_batching(backend):
     params = [
         SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=s)
@@ -236,10 +253,10 @@ async def test_a_request_whose_prefill_fails_gets_the_error_while_the_batch_goes
     engine = backend._engine
     real_prefill = engine._prefill
 
-    def prefill(seq):
-        if seq.params.seed == 13:
+    def prefill(seqs):  # a shared prefill with the bad request fails whole: each is then tried alone
+        if any(seq.params.seed == 13 for seq in seqs):
             raise RuntimeError("prefill broke")
-        return real_prefill(seq)
+        return real_prefill(seqs)
 
     async def caught(request):
         try:
@@ -277,3 +294,11 @@ async def test_a_row_leaving_the_batch_leaves_its_own_cache_for_prefix_reuse(bac
             assert mine.keys.shape == theirs.keys.shape  # [1, H, n, D]: no padding, no other row
             assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
             assert torch.allclose(mine.values, theirs.values, atol=1e-5)
+
+
+def test_prompts_are_grouped_for_one_pass_only_within_the_token_budget():
+    from whet.runtime.hf import _groups
+
+    assert _groups([(0, 30), (1, 31), (2, 800), (3, 40)], 256) == [[0, 1, 3]]  # the long one runs alone
+    assert _groups([(i, 100) for i in range(5)], 256) == [[0, 1], [2, 3]]  # 2 x 100 fit, not 3; the fifth alone
+    assert _groups([(0, 300), (1, 300)], 256) == []
