@@ -64,6 +64,8 @@ GREEDY_BELOW = 1e-6
 # 26 s against 23 s: a pass is already compute-bound at a few hundred tokens there. A GPU is not.
 TOGETHER_TOKENS_CPU = 256
 TOGETHER_TOKENS_CUDA = 16384
+KEEP_FREE = 2  # retired adapters' modules kept for reuse (see TransformersBackend._load_into_free)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
 _DONE = object()
 
@@ -181,6 +183,10 @@ class TransformersBackend:
         self._lock = _ReadWriteLock()
         self._local = threading.local()  # .adapter: the adapter of the request this thread serves
         self._adapter_names: list[str] | None = None  # per batch row, for the forward pass running now
+        # adapter version -> the peft adapter holding its weights: a version loads into the modules a
+        # drained version left (its weights copied in) when their configs match, see _load_into_free
+        self._slot_of: dict[str, str] = {}
+        self._free: list[str] = []  # peft adapters no version uses, kept for the next versions
         self._peft: Any = None  # the PeftModel wrapper, once an adapter is loaded
         self._adapters: set[str] = set()
         self._in_use: Counter[str] = Counter()
@@ -317,7 +323,7 @@ class TransformersBackend:
         """One forward pass, row ``b`` on ``adapter_names[b]``; the last position's logits [B, V]."""
         extra = {} if attention_mask is None else {"attention_mask": attention_mask, "position_ids": position_ids}
         with self._lock.read():
-            self._adapter_names = adapter_names
+            self._adapter_names = [self._slot_of.get(n, n) for n in adapter_names]  # versions -> peft names
             try:
                 out = self.model(inputs, **with_cache(cache), use_cache=True, **extra, **self._last_only)
             finally:
@@ -466,18 +472,53 @@ class TransformersBackend:
             raise ValueError(f"adapter name {name!r} is already in use; load each version under a new name")
         if not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"adapter folder {path} has no adapter_config.json; pass a folder saved by peft")
-        with self._lock.write(), quiet_peft():
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-            else:
-                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
-            if getattr(self._peft.peft_config[name], "use_dora", False):
-                self._peft.delete_adapter(name)
-                raise ValueError(f"adapter {name!r} uses DoRA, which peft cannot route per request; use LoRA")
-            self._peft.eval()
-            self._hook_lora_layers()
+        if not self._load_into_free(name, path):
+            with self._lock.write(), quiet_peft():
+                if self._peft is None:
+                    self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+                else:
+                    self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+                if getattr(self._peft.peft_config[name], "use_dora", False):
+                    self._peft.delete_adapter(name)
+                    raise ValueError(f"adapter {name!r} uses DoRA, which peft cannot route per request; use LoRA")
+                self._peft.eval()
+                self._hook_lora_layers()
+            self._slot_of[name] = name
         with self._in_use_cond:
             self._adapters.add(name)
+
+    def _load_into_free(self, name: str, path: str) -> bool:
+        """Load version ``name`` by copying its weights into a free peft adapter of the same config.
+
+        peft's ``load_adapter`` builds new LoRA modules in every targeted layer: for SmolLM2 with all
+        seven projections, 0.3-0.6 s of Python under the write lock, every request's decoding paused
+        meanwhile, at every swap. A lineage's versions share their config, so the modules of the
+        version a swap retired are reused: the file is read outside the lock and only the copy (a few
+        ms) holds it. False (nothing changed) when no free adapter matches."""
+        from peft import PeftConfig
+        from safetensors.torch import load_file
+
+        file = Path(path) / ADAPTER_WEIGHTS
+        if self._peft is None or not self._free or not file.is_file():
+            return False
+        config = PeftConfig.from_pretrained(path).to_dict()
+        with self._in_use_cond:  # claim it: no other load may take it meanwhile
+            slot = next((s for s in self._free if _same_lora(self._peft.peft_config[s].to_dict(), config)), None)
+            if slot is None:
+                return False
+            self._free.remove(slot)
+        marker = f".{slot}."
+        params = {n.replace(marker, "."): p for n, p in self._peft.named_parameters() if marker in n}
+        weights = load_file(str(file), device=str(self.device))
+        if weights.keys() != params.keys() or any(weights[k].shape != params[k].shape for k in weights):
+            with self._in_use_cond:
+                self._free.append(slot)
+            return False
+        with self._lock.write(), torch.no_grad():
+            for key, tensor in weights.items():
+                params[key].copy_(tensor)
+        self._slot_of[name] = slot
+        return True
 
     async def unload_adapter(self, name: str) -> None:
         """Refuse new requests for ``name``, wait for those using it, then free it. Unknown names: no-op."""
@@ -490,8 +531,15 @@ class TransformersBackend:
             self._adapters.discard(name)
             self._in_use_cond.wait_for(lambda: self._in_use[name] == 0)
         self.prefixes.drop(name)
+        with self._in_use_cond:
+            slot = self._slot_of.pop(name)
+            kept = len(self._free) < KEEP_FREE
+            if kept:  # no request uses it any more: a next version's weights go in
+                self._free.append(slot)
+        if kept:
+            return
         with self._lock.write(), quiet_peft():
-            self._peft.delete_adapter(name)
+            self._peft.delete_adapter(slot)
 
     def adapters(self) -> list[str]:
         return sorted(self._adapters)
@@ -499,6 +547,12 @@ class TransformersBackend:
     async def aclose(self) -> None:
         self._engine.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _same_lora(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two peft configs build the same modules with the same scaling (paths and modes aside)."""
+    ignored = {"base_model_name_or_path", "revision", "inference_mode", "peft_version", "auto_mapping"}
+    return {k: v for k, v in a.items() if k not in ignored} == {k: v for k, v in b.items() if k not in ignored}
 
 
 def _groups(prompts: list[tuple[int, int]], budget: int) -> list[list[int]]:

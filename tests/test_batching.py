@@ -302,3 +302,40 @@ def test_prompts_are_grouped_for_one_pass_only_within_the_token_budget():
     assert _groups([(0, 30), (1, 31), (2, 800), (3, 40)], 256) == [[0, 1, 3]]  # the long one runs alone
     assert _groups([(i, 100) for i in range(5)], 256) == [[0, 1], [2, 3]]  # 2 x 100 fit, not 3; the fifth alone
     assert _groups([(0, 300), (1, 300)], 256) == []
+
+
+@pytest.mark.anyio
+async def test_a_version_loaded_into_a_retired_versions_modules_answers_as_if_loaded_fresh(model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from whet.runtime.hf import TransformersBackend
+
+    first, second = perturbed_adapter(model_dir, tmp_path / "v1", 5), perturbed_adapter(model_dir, tmp_path / "v2", 6)
+    other_rank = tmp_path / "r8"  # another config: it cannot use rank-4 modules
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                   LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(other_rank)  # fmt: skip
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    fresh = TransformersBackend(str(model_dir), device="cpu")
+    reused = TransformersBackend(str(model_dir), device="cpu")
+    try:
+        await fresh.load_adapter("v2", str(second))
+        want = await fresh.generate(PROMPTS[1], [], params, adapter="v2")
+
+        await reused.load_adapter("v1", str(first))
+        await reused.unload_adapter("v1")  # retired: its modules are kept
+        await reused.load_adapter("v2", str(second))
+        assert reused._slot_of["v2"] == "v1" and "v2" not in reused._peft.peft_config  # no new modules built
+        got = await reused.generate(PROMPTS[1], [], params, adapter="v2")
+        assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+        assert got.adapter == "v2"
+
+        await reused.load_adapter("r8", str(other_rank))
+        assert reused._slot_of["r8"] == "r8"  # built its own
+        await reused.unload_adapter("v2")
+        await reused.load_adapter("v3", str(first))  # back into the modules v2 used
+        again = await reused.generate(PROMPTS[1], [], params, adapter="v3")
+        assert again.token_ids != want.token_ids or again.logprobs != pytest.approx(want.logprobs, abs=1e-6)
+    finally:
+        await fresh.aclose()
+        await reused.aclose()

@@ -61,9 +61,15 @@ def engine(tiny_model: Path):
 
 
 def in_model(engine) -> list[str]:
-    """The adapters whose weights the engine's model really holds (``adapters()`` drops a name before freeing it)."""
+    """The versions whose weights the engine's model really holds (``adapters()`` drops a name before
+    freeing it): its peft adapters, less the retired ones kept for reuse (at most KEEP_FREE), by
+    version name. A peft adapter that is neither a version's nor kept is a leak (KeyError)."""
+    from whet.runtime.hf import KEEP_FREE
+
     held = {name for module in engine.model.modules() for name in getattr(module, "lora_A", {})}
-    return sorted(held)
+    assert set(engine._free) <= held and len(engine._free) <= KEEP_FREE
+    by_slot = {slot: version for version, slot in engine._slot_of.items()}
+    return sorted(by_slot[name] for name in held - set(engine._free))
 
 
 @asynccontextmanager
