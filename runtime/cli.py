@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--plot", type=Path, default=Path("bench-learn.png"), help="learning curves (PNG)")
     learning.add_argument("--quick", action="store_true", help="CI scale: 4 interactions, every 2, 3 held-out, 3 general, 2 chat")
     learning.add_argument("--keep", action="store_true", help="keep each arm's data directory (store, adapters, log)")
+    learning.add_argument("--jobs", type=_positive, help="arms run at once, each pinned to its share of the CPU cores "
+                          "(default: one per core, at most one per arm)")  # fmt: skip
     learning.add_argument("--idle-timeout", type=_positive, metavar="SECONDS",
                           help="longest wait at a checkpoint for the learner to train what it was given (default 900)")  # fmt: skip
     learning.set_defaults(run=_bench_learn)

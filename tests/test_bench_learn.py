@@ -279,7 +279,27 @@ def test_a_server_that_cannot_start_is_one_error_with_the_tail_of_its_log(tmp_pa
     assert "exited with code 1" in message and "serve.log" in message and "no-such-model" in message
 
 
-@pytest.mark.loopback
+def test_arms_at_once_get_disjoint_core_shares_and_a_server_runs_on_its_share_only(tmp_path, monkeypatch):
+    from whet.learner.tiny import build_tiny_model
+    from whet.world import bench
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert bench.core_shares(2) == [[0, 2, 4], [1, 3]] and bench.core_shares(1) == [[0, 1, 2, 3, 4]]
+    monkeypatch.undo()
+
+    model = build_tiny_model(tmp_path / "m")
+    share = bench.usable_cores()[-1:]
+    settings = arm_config(load_config(), "static", tmp_path / "data", str(model), free_port())
+    with served(settings, tmp_path, [sys.executable, "-m", "whet.runtime.cli"], share):
+        config = str(tmp_path / "whet.yaml")
+        pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()
+                and config in (p / "cmdline").read_bytes().decode(errors="replace")]  # fmt: skip
+        assert pids, "the server process was not found"
+        status = (Path("/proc") / pids[0] / "status").read_text()
+        allowed = next(line.split(":")[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        assert allowed == str(share[0])
+
+
 def _run_in_own_group(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """Run ``command`` in a process group of its own, so a timeout also ends the servers it started
     (about 2 minutes alone on 2 cores; the limit leaves room for a busy machine)."""
@@ -297,6 +317,7 @@ def _run_in_own_group(command: list[str], timeout_s: float) -> subprocess.Comple
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+@pytest.mark.loopback
 @pytest.mark.timeout(560)
 def test_bench_learn_quick_runs_end_to_end(tmp_path):
     from whet.learner.tiny import build_tiny_model

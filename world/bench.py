@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import platform
+import queue
 import re
 import shlex
 import shutil
@@ -126,6 +127,7 @@ class Plan:
     lora_lr: float = LORA_OVERRIDES["learning_rate"]
     keep: bool = False  # keep each arm's data directory
     idle_timeout_s: float = IDLE_TIMEOUT_S  # the longest wait for the learner at a checkpoint
+    jobs: int = 1  # arms run at once, each on its own share of the CPU cores
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, config: WhetConfig) -> Plan:
@@ -136,7 +138,9 @@ class Plan:
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
             lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
-            keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S, **scale,
+            keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S,
+            jobs=min(getattr(args, "jobs", None) or len(usable_cores()), len(args.arms), len(usable_cores())),
+            **scale,
         )  # fmt: skip
 
     def checkpoints(self) -> list[int]:
@@ -152,7 +156,8 @@ class Plan:
             argv += ["--profile", str(self.profile)]
         argv += ["--seed", str(self.seed), "--interactions", str(self.interactions), "--every", str(self.every),
                  "--heldout", str(self.heldout), "--general", str(self.general), "--chat", str(self.chat),
-                 "--lora-lr", f"{self.lora_lr:g}", "--model", self.model, "--arms", ",".join(self.arms)]  # fmt: skip
+                 "--lora-lr", f"{self.lora_lr:g}", "--model", self.model, "--arms", ",".join(self.arms),
+                 "--jobs", str(self.jobs)]  # fmt: skip
         return shlex.join(argv)
 
     def units_per_arm(self, arm: str) -> int:
@@ -376,10 +381,11 @@ def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int
 
 
 @contextlib.contextmanager
-def served(config: dict[str, Any], arm_dir: Path, whet: Sequence[str]) -> Iterator[str]:
+def served(config: dict[str, Any], arm_dir: Path, whet: Sequence[str], cores: list[int] | None = None) -> Iterator[str]:
     """``whet serve`` with ``config`` as a child process; yields its base URL once healthy.
 
-    ``whet``: the command line that runs the ``whet`` CLI (the CLI passes its own).
+    ``whet``: the command line that runs the ``whet`` CLI (the CLI passes its own). ``cores``: the
+    CPU cores the server (and the tool servers it starts) may use, and as many torch threads.
 
     Stopped (SIGINT, then kill) however the block ends; a failure inside the block, or the
     server's own, ends as a BenchError carrying the tail of the server's log."""
@@ -387,10 +393,17 @@ def served(config: dict[str, Any], arm_dir: Path, whet: Sequence[str]) -> Iterat
     config_path, log_path = arm_dir / "whet.yaml", arm_dir / "serve.log"
     config_path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WHET_")}  # the base config already has them
+    pin = None
+    if cores is not None:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+
+        def pin() -> None:  # in the child, before it runs whet
+            os.sched_setaffinity(0, cores)
+
     command = [*whet, "serve", "--config", str(config_path)]
     base = f"http://127.0.0.1:{port}"
     with log_path.open("w") as server_log:
-        process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         try:
             _wait_healthy(base, process)
             yield base
@@ -398,6 +411,19 @@ def served(config: dict[str, Any], arm_dir: Path, whet: Sequence[str]) -> Iterat
             raise BenchError(_server_failure(str(exc) or type(exc).__name__, port, log_path)) from None
         finally:
             _stop(process)
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_shares(jobs: int) -> list[list[int]]:
+    """The usable cores dealt into ``jobs`` disjoint shares of (nearly) equal size."""
+    cores = usable_cores()
+    return [cores[i::jobs] for i in range(jobs)] if jobs > 1 else [cores]
 
 
 def _wait_healthy(base: str, process: subprocess.Popen[bytes], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -460,19 +486,40 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     with console.status(f"preparing the base model {plan.model}"):
         model = base_model(plan.model, config, prepare_model)
     started = time.perf_counter()
-    results = []
     scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept when an arm fails: its log is named there
+    # arms at once, each server on its own cores: one sequence's decoding hardly gains from a second
+    # core, a second arm does. The arms that train go first: they take longest.
+    shares = core_shares(plan.jobs)
+    free: queue.Queue[list[int]] = queue.Queue()
+    for share in shares:
+        free.put(share)
+    order = sorted(plan.arms, key=lambda arm: not ARM_LEARNING[arm][1])
     with _progress(console) as progress:
-        for arm in plan.arms:
-            bar = progress.add_task(arm, total=plan.units_per_arm(arm))
-            arm_dir = scratch / arm
-            arm_dir.mkdir()
-            settings = arm_config(config, arm, arm_dir / "data", model, free_port(), plan.lora_lr)
-            with served(settings, arm_dir, whet) as base, httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
-                client = HttpArmClient(http, profile.user)
-                results.append(run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
-                                       settle_s=2 * LEARNER_OVERRIDES["poll_s"],
-                                       advance=lambda n, bar=bar: progress.advance(bar, n)))  # fmt: skip
+        bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
+
+        def one(arm: str) -> ArmResult:
+            cores = free.get()
+            try:
+                arm_dir = scratch / arm
+                arm_dir.mkdir()
+                settings = arm_config(config, arm, arm_dir / "data", model, free_port(), plan.lora_lr)
+                with served(settings, arm_dir, whet, cores if plan.jobs > 1 else None) as base, \
+                        httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:  # fmt: skip
+                    client = HttpArmClient(http, profile.user)
+                    return run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
+                                   settle_s=2 * LEARNER_OVERRIDES["poll_s"],
+                                   advance=lambda n: progress.advance(bars[arm], n))  # fmt: skip
+            finally:
+                free.put(cores)
+
+        with ThreadPoolExecutor(max_workers=plan.jobs, thread_name_prefix="whet-bench-arm") as pool:
+            done = {arm: pool.submit(one, arm) for arm in order}
+            try:
+                results = [done[arm].result() for arm in plan.arms]
+            except BaseException:  # arms not started yet never start; running ones end first (their servers stop)
+                for future in done.values():
+                    future.cancel()
+                raise
     if plan.keep:
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
