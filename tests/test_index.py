@@ -139,3 +139,38 @@ def test_index_survives_concurrent_adds_and_searches():
     for thread in threads:
         thread.join()
     assert errors == [] and len(index) == 200
+
+
+def _random_lessons(n: int, user: str, start: int, seed: int) -> list[tuple[int, str, str]]:
+    rng = np.random.default_rng(seed)
+    words = ["time", "home", "list", "note", "city", "tea", "train", "km", "miles", "Lisbon", "Tokyo", "Sam"]
+    return [(start + i, user, " ".join(rng.choice(words, 6)) + f" {i}") for i in range(n)]
+
+
+def test_a_user_with_many_lessons_is_searched_approximately_with_high_recall_and_still_alone():
+    index = LessonIndex(HashingEmbedder(), approximate_from=500)
+    index.add_many(_random_lessons(1500, "alice", 1, seed=0))
+    index.add_many(_random_lessons(50, "bob", 10_000, seed=1))
+    alice, bob = index._shelves["alice"], index._shelves["bob"]
+    assert alice.approximate is not None and alice.trained_on == 1500 and bob.approximate is None
+    exact = LessonIndex(HashingEmbedder(), approximate_from=10**9)  # the same lessons, searched exactly
+    exact.add_many(_random_lessons(1500, "alice", 1, seed=0))
+    queries = [text for _, _, text in _random_lessons(40, "q", 0, seed=2)]
+    recall = np.mean([len({h.lesson_id for h in index.search("alice", q, 5)} &
+                          {h.lesson_id for h in exact.search("alice", q, 5)}) / 5 for q in queries])  # fmt: skip
+    assert recall >= 0.95
+    assert all(h.user_id == "bob" and h.lesson_id >= 10_000 for q in queries for h in index.search("bob", q, 5))
+
+
+def test_removal_replacement_and_growth_reach_the_approximate_index():
+    index = LessonIndex(HashingEmbedder(), approximate_from=300)
+    index.add_many(_random_lessons(400, "alice", 1, seed=3))
+    shelf = index._shelves["alice"]
+    assert shelf.approximate is not None and shelf.trained_on == 400
+    index.add(7, "alice", "Sam lives in Tokyo: his time is Tokyo time")  # replaces lesson 7's text
+    assert index.search("alice", "Sam lives in Tokyo: his time is Tokyo time", 1)[0].lesson_id == 7
+    assert index.remove(7) and all(h.lesson_id != 7 for h in index.search("alice", "Sam lives in Tokyo", 5))
+    assert shelf.approximate.ntotal == shelf.exact.ntotal == 399
+    index.add_many(_random_lessons(500, "alice", 1000, seed=4))  # doubled since training: trained again
+    assert index._shelves["alice"].trained_on == 899 and len(index) == 899
+    assert index.remove_user("alice") == 899 and index.search("alice", "Tokyo", 5) == [] and len(index) == 0
