@@ -193,7 +193,9 @@ def _what(name: str, s: dict[str, float]) -> str:
         return (f"{s['p1_requests']} requests, {s['p1_swaps']} swaps; p99 {s['p1_p99_ms_swapping']:.0f} ms swapping "
                 f"vs {s['p1_p99_ms_steady']:.0f} ms steady")  # fmt: skip
     if name.startswith("p4_"):
-        return f"{s['p4_lessons']} lessons, instant backend"
+        minilm = s.get("p4_minilm_query_ms_p50")
+        extra = f"; + {minilm:.1f} ms embedding the request with MiniLM (the default embedder)" if minilm else ""
+        return f"{s['p4_lessons']} lessons, hashing embedder, instant backend{extra}"
     if name.startswith("p5_"):
         return f"{s['p5_lessons']} lessons vs exact search"
     if name == "p7_mqtt_latency_ms_p50":

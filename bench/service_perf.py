@@ -27,7 +27,7 @@ import numpy as np
 from whet.config.settings import LoraConfig, load_config
 from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import open_bus
-from whet.memory.index import HashingEmbedder, LessonIndex
+from whet.memory.index import HashingEmbedder, LessonIndex, minilm_available, open_embedder
 from whet.memory.store import open_store
 from whet.memory.tables import Adapter, TurnCreate
 from whet.runtime.app import create_app
@@ -256,10 +256,21 @@ async def p4_loop_overhead(work: Path, model: Path, sizes: Sizes) -> dict[str, f
             response = await chat(client, messages[0]["content"])
             whole.append(time.perf_counter() - started)
             assert response.status_code == 200, response.text
-    return {
+    figures = {
         "p4_overhead_ms_p50": (statistics.median(whole) - statistics.median(raw)) * 1000,
         "p4_lessons": sizes.overhead_lessons,
     }
+    # the loop above embeds the request with the hashing embedder; the default (MiniLM, when installed)
+    # runs a 6-layer sentence model on it instead, once per request: its cost, on its own
+    if minilm_available():
+        embedder = await asyncio.to_thread(open_embedder, "minilm")
+        times = []
+        for _ in range(sizes.repeats + 3):
+            started = time.perf_counter()
+            await asyncio.to_thread(embedder.embed, [messages[0]["content"]])
+            times.append(time.perf_counter() - started)
+        figures["p4_minilm_query_ms_p50"] = statistics.median(times[3:]) * 1000
+    return figures
 
 
 def p5_search(sizes: Sizes) -> dict[str, float]:
