@@ -291,8 +291,11 @@ def p5_search(sizes: Sizes) -> dict[str, float]:
         hits = index.search("user-0", query, 5)
         times.append(time.perf_counter() - started)
         scores = vectors @ embedder.embed([query])[0]  # [n / users]
-        exact = {int(user_ids[j]) + 1 for j in np.argsort(-scores, kind="stable")[:5]}
-        recall.append(len(exact & {h.lesson_id for h in hits}) / 5)
+        # a hit counts when it is as similar as exact search's 5th best: the bench's lessons come from
+        # templates, and a lesson tied with the 5th (same similarity) is as right an answer as it
+        fifth = np.sort(scores)[-5]
+        rows = [(h.lesson_id - 1) // sizes.search_users for h in hits]  # user-0's lesson ids are 1, 1 + users, ...
+        recall.append(sum(scores[j] >= fifth - 1e-6 for j in rows) / 5)
     return {"p5_search_ms_p50": statistics.median(times) * 1000, "p5_recall_at_5": statistics.fmean(recall),
             "p5_lessons": sizes.search_lessons}  # fmt: skip
 
