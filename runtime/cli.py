@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -22,7 +23,11 @@ EXIT_CONFIG = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "perf"]:  # every option after it is bench/perf.py's own (its --help too)
+        args = argparse.Namespace(command="bench", bench="perf", options=argv[2:], run=_bench_perf)
+    else:
+        args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_CONFIG
@@ -133,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--idle-timeout", type=_positive, metavar="SECONDS",
                           help="longest wait at a checkpoint for the learner to train what it was given (default 900)")  # fmt: skip
     learning.set_defaults(run=_bench_learn)
+    perf = bench_sub.add_parser("perf", help="every performance figure (bench/perf.py: serving, swaps, lessons, "
+                                "adapters, store, bus, training); its own options follow, see --help there",
+                                add_help=False)  # fmt: skip
+    perf.set_defaults(run=_bench_perf)  # main() hands everything after `bench perf` to the script
     return parser
 
 
@@ -446,6 +455,16 @@ def _bench_learn(args: argparse.Namespace) -> int:
     except BenchError as exc:
         print(f"whet: {exc}", file=sys.stderr)
         return 1
+
+
+def _bench_perf(args: argparse.Namespace) -> int:
+    """bench/perf.py from the source checkout whet runs from (the benchmarks are not part of a wheel)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "perf.py"
+    if not script.is_file():
+        print("whet: `whet bench perf` runs bench/perf.py from a source checkout of whet, and this install has "
+              "none; clone the repository and run `python bench/perf.py` there", file=sys.stderr)  # fmt: skip
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.options])
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -185,3 +185,11 @@ def test_whet_serve_on_a_port_in_use_says_so_before_loading_anything_and_exits_1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port N" in done.stderr
     assert "whet ready" not in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "data" / "models" / "tiny").exists()  # refused before the model was loaded (or built)
+
+
+def test_whet_bench_perf_hands_every_option_to_bench_perf_py():
+    done = whet("bench", "perf", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout and "--skip" in done.stdout  # bench/perf.py's own options
+    bad = whet("bench", "perf", "--no-such-option")
+    assert bad.returncode == 2 and "--no-such-option" in bad.stderr
