@@ -62,7 +62,7 @@ from whet.learner.model import resolve_source
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
-from whet.learner.trainer import LoraTrainer, Sample, limited_threads, training_threads
+from whet.learner.trainer import LoraTrainer, Sample, limited_threads, release_memory, training_threads
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
 from whet.memory.store import Store
 from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Turn
@@ -332,8 +332,11 @@ class Learner:
 
     def _step_limited(self, *args: Any) -> dict[str, Any]:
         """:meth:`_step_sync` on ``learner.threads`` CPU threads, so serving keeps the other cores."""
-        with limited_threads(training_threads(self.config.threads)):
-            return self._step_sync(*args)
+        try:
+            with limited_threads(training_threads(self.config.threads)):
+                return self._step_sync(*args)
+        finally:
+            release_memory()
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip
