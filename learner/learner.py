@@ -139,6 +139,7 @@ class Learner:
             await self._round(self.catch_up)
             task_status.started()
             tg.start_soon(self._follow, events)
+            tg.start_soon(self._round, self.prepare)
             self._wake.set()  # the catch-up may have judged a full batch: train it now, not a poll later
             while True:
                 with anyio.move_on_after(self.config.poll_s):
@@ -146,6 +147,22 @@ class Learner:
                 self._wake = anyio.Event()
                 await self._round(self.catch_up)
                 await self._round(self.train_ready)
+
+    async def prepare(self) -> None:
+        """Load the trainer now, in the training thread, rather than at the first step: its model and
+        the greedy replies of the rehearsal and regression sets (SmolLM2: minutes on a small CPU),
+        which would otherwise delay the first adapter by as much. Busy meanwhile (a step waits)."""
+        if self._make_trainer is None or self._trainer is not None:
+            return
+        async with self._training:
+            await anyio.to_thread.run_sync(self._prepare_limited, limiter=self._limiter)
+
+    def _prepare_limited(self) -> None:
+        try:
+            with limited_threads(training_threads(self.config.threads)):
+                self._trainer_now()
+        finally:
+            release_memory()
 
     async def _round(self, work: Callable[[], Any]) -> None:
         try:

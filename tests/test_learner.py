@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -347,6 +348,23 @@ async def test_the_gate_rejects_a_candidate_trained_on_inverted_rewards(tiny_mod
 
 class Crash(Exception):
     """Stands in for the process dying at a chosen point of a training step."""
+
+
+@pytest.mark.anyio
+async def test_the_trainer_and_its_greedy_sets_are_ready_before_the_first_batch_arrives(tiny_model, tmp_path, store):
+    bus, loads = MemoryBus(), []
+    learner = make_learner(learner_config(), store, bus, tiny_model, tmp_path,
+                           rehearsal=lambda tokenizer: loads.append("rehearsal") or [])  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        await tg.start(learner.run)
+        with anyio.fail_after(60):
+            while learner._trainer is None or not loads:
+                await anyio.sleep(0.05)  # no batch was given: the learner loads it on its own
+        assert (await learner.status())["steps"] == 0
+        trainer = learner._trainer
+        await learner.prepare()
+        assert learner._trainer is trainer and loads == ["rehearsal"]  # once
+        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
