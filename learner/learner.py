@@ -148,6 +148,11 @@ class Learner:
                 await self._round(self.catch_up)
                 await self._round(self.train_ready)
 
+    @property
+    def ready(self) -> bool:
+        """Whether a step can start at once: no trainer to load (not training, or loaded already)."""
+        return self._make_trainer is None or self._trainer is not None
+
     async def prepare(self) -> None:
         """Load the trainer now, in the training thread, rather than at the first step: its model and
         the greedy replies of the rehearsal and regression sets (SmolLM2: minutes on a small CPU),

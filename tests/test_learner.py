@@ -358,7 +358,7 @@ async def test_the_trainer_and_its_greedy_sets_are_ready_before_the_first_batch_
     async with anyio.create_task_group() as tg:
         await tg.start(learner.run)
         with anyio.fail_after(60):
-            while learner._trainer is None or not loads:
+            while not learner.ready or not loads:
                 await anyio.sleep(0.05)  # no batch was given: the learner loads it on its own
         assert (await learner.status())["steps"] == 0
         trainer = learner._trainer
