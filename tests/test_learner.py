@@ -351,15 +351,20 @@ class Crash(Exception):
 
 
 @pytest.mark.anyio
-async def test_the_trainer_and_its_greedy_sets_are_ready_before_the_first_batch_arrives(tiny_model, tmp_path, store):
+async def test_the_trainer_and_its_greedy_sets_load_when_the_first_sample_arrives_not_at_its_step(
+    tiny_model, tmp_path, store
+):
     bus, loads = MemoryBus(), []
-    learner = make_learner(learner_config(), store, bus, tiny_model, tmp_path,
+    learner = make_learner(learner_config(batch_size=8, poll_s=0.1), store, bus, tiny_model, tmp_path,
                            rehearsal=lambda tokenizer: loads.append("rehearsal") or [])  # fmt: skip
     async with anyio.create_task_group() as tg:
         await tg.start(learner.run)
+        await anyio.sleep(0.5)
+        assert not learner.ready and loads == []  # nothing to train: nothing loaded
+        await judged_turn(store, new_trainer(tiny_model), "Hello?", "Hi.", 1, "train")
         with anyio.fail_after(60):
             while not learner.ready or not loads:
-                await anyio.sleep(0.05)  # no batch was given: the learner loads it on its own
+                await anyio.sleep(0.05)  # one sample of a batch of 8: loaded before its step
         assert (await learner.status())["steps"] == 0
         trainer = learner._trainer
         await learner.prepare()
