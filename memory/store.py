@@ -15,6 +15,7 @@ The tables themselves are in :mod:`whet.memory.tables`.
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 import uuid
 from collections.abc import Callable
@@ -23,10 +24,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Engine, event, func, or_, update
+from sqlalchemy import Engine, bindparam, event, func, insert, or_, update
 from sqlalchemy import delete as sa_delete
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Session, SQLModel, create_engine, select
@@ -141,13 +142,29 @@ def _sqlite_pragmas(dbapi_connection: Any, sync: str) -> None:
     cursor.close()
 
 
-def _insert_ignore(db: Session, table: Any, **values: Any) -> bool:
+@functools.cache
+def _insert_ignore_statement(dialect_name: str, table: Any, columns: tuple[str, ...]) -> Any:
+    # built once per shape: SQLAlchemy spends more building and keying a statement than SQLite
+    # spends running it, and this runs on every request
+    dialect = postgresql if dialect_name == "postgresql" else sqlite
+    statement = dialect.insert(table).values({c: bindparam(c) for c in columns}).on_conflict_do_nothing()
+    return statement.returning(list(table.primary_key.columns)[0])
+
+
+def _insert_ignore(db: Session | Connection, table: Any, **values: Any) -> bool:
     """INSERT that does nothing when the primary key exists (race-free get-or-create); True if it
     inserted (RETURNING, as rowcount is not reliable for this statement on every driver)."""
-    dialect = postgresql if db.get_bind().dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(table).values(**values).on_conflict_do_nothing()
-    key = list(table.primary_key.columns)[0]
-    return db.execute(statement.returning(key)).first() is not None
+    dialect = db.dialect if isinstance(db, Connection) else db.get_bind().dialect
+    statement = _insert_ignore_statement(dialect.name, table, tuple(values))
+    return db.execute(statement, values).first() is not None
+
+
+# a turn's row, and the session's tip with it: built once (see _insert_ignore_statement)
+_INSERT_TURN = insert(Turn.__table__)
+_SESSION_ROW = select(ChatSession.__table__).where(ChatSession.id == bindparam("sid"))
+_SESSION_OWNER = select(ChatSession.user_id).where(ChatSession.id == bindparam("sid"))
+_SET_TIP = (update(ChatSession).where(ChatSession.id == bindparam("sid"))
+            .values(tip_hash=bindparam("tip"), updated_at=bindparam("at")))  # fmt: skip
 
 
 class _Clock:
@@ -166,6 +183,18 @@ class _Clock:
 # ----------------------------------------------------------------------------- store
 
 
+def _guarded(call: Callable[[], T]) -> T:
+    """``call()``, with the database's failures as StoreUnavailable (out of reach) or StoreFull (disk full)."""
+    try:
+        return call()
+    except (OperationalError, InterfaceError) as exc:  # connection lost or refused, disk full, locked
+        raise _store_error(exc) from exc
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise _store_error(exc) from exc
+
+
 class Store:
     """Async access to the experience store. Build with :func:`open_store`."""
 
@@ -178,19 +207,22 @@ class Store:
         or StoreFull (disk full); either way nothing of ``work`` was stored."""
 
         def call() -> T:
-            try:
-                with Session(self.engine, expire_on_commit=False) as db:
-                    result = work(db)
-                    db.commit()
-                    return result
-            except (OperationalError, InterfaceError) as exc:  # connection lost or refused, disk full, locked
-                raise _store_error(exc) from exc
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                raise _store_error(exc) from exc
+            with Session(self.engine, expire_on_commit=False) as db:
+                result = work(db)
+                db.commit()
+                return result
 
-        return await anyio.to_thread.run_sync(call)
+        return await anyio.to_thread.run_sync(_guarded, call)
+
+    async def _run_core(self, work: Callable[[Connection], T]) -> T:
+        """:meth:`_run` for Core statements on a bare connection: the ORM session's own bookkeeping
+        costs more than a small INSERT, which matters on the paths every request takes."""
+
+        def call() -> T:
+            with self.engine.begin() as connection:
+                return work(connection)
+
+        return await anyio.to_thread.run_sync(_guarded, call)
 
     async def aclose(self) -> None:
         """Dispose of the engine's connections."""
@@ -217,17 +249,19 @@ class Store:
         sid = session_id or "sess_" + uuid.uuid4().hex
         _check_id("session_id", sid)
 
-        def work(db: Session) -> tuple[ChatSession, bool]:
+        def work(db: Connection) -> tuple[ChatSession, bool]:
             now = utcnow()
             _insert_ignore(db, User.__table__, id=user_id, created_at=now)
             made = _insert_ignore(db, ChatSession.__table__, id=sid, user_id=user_id, tip_hash=None,
                                   created_at=now, updated_at=now)  # fmt: skip
-            row = db.get(ChatSession, sid)
-            if row is None or row.user_id != user_id:
+            if made:  # what was just written: no read back
+                return ChatSession(id=sid, user_id=user_id, tip_hash=None, created_at=now, updated_at=now), True
+            found = db.execute(_SESSION_ROW, {"sid": sid}).first()
+            if found is None or found.user_id != user_id:
                 raise PermissionError(f"session {sid!r} belongs to another user; use a new session id")
-            return row, made
+            return ChatSession.model_validate(found._mapping), False
 
-        return await self._run(work)
+        return await self._run_core(work)
 
     async def find_session_by_tip(self, user_id: str, tip_hash: str) -> ChatSession | None:
         """The user's most recently updated session whose conversation ends at ``tip_hash``."""
@@ -241,14 +275,8 @@ class Store:
 
     async def set_session_tip(self, session_id: str, tip_hash: str) -> None:
         """Record where the conversation now stands; raises ``KeyError`` for an unknown session."""
-        statement = (
-            update(ChatSession)
-            .where(ChatSession.id == session_id)
-            .values(tip_hash=tip_hash, updated_at=utcnow())
-        )
-
         def work(db: Session) -> None:
-            if db.execute(statement).rowcount == 0:
+            if db.execute(_SET_TIP, {"sid": session_id, "tip": tip_hash, "at": utcnow()}).rowcount == 0:
                 raise KeyError(f"unknown session {session_id!r}")
 
         await self._run(work)
@@ -274,21 +302,24 @@ class Store:
         if turn_id is not None:
             update_fields["id"] = turn_id
         row = Turn.model_validate(turn, update=update_fields)
+        values = {column.name: getattr(row, column.name) for column in Turn.__table__.columns}
 
-        def work(db: Session) -> Turn:
-            session = db.get(ChatSession, row.session_id)
-            if session is None:
+        def work(db: Connection) -> Turn:
+            # Core statements, not the ORM unit of work: this runs on every model step, and the
+            # ORM's flush costs more than the INSERT itself
+            user_id = db.execute(_SESSION_OWNER, {"sid": row.session_id}).scalar()
+            if user_id is None:
                 raise KeyError(
                     f"unknown session {row.session_id!r}: create it with Store.create_session first"
                 )
-            if session.user_id != row.user_id:
+            if user_id != row.user_id:
                 raise PermissionError(f"session {row.session_id!r} does not belong to user {row.user_id!r}")
-            db.add(row)
+            db.execute(_INSERT_TURN, values)
             if tip_hash is not None:
-                session.tip_hash, session.updated_at = tip_hash, utcnow()
+                db.execute(_SET_TIP, {"sid": row.session_id, "tip": tip_hash, "at": utcnow()})
             return row
 
-        return await self._run(work)
+        return await self._run_core(work)
 
     async def close_turn(self, turn_id: str, kind: str, next_state: dict[str, Any]) -> Turn | None:
         """Attach the next state to a still-open turn, atomically: of several concurrent calls
