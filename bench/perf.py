@@ -16,7 +16,8 @@ throughputs compare equal work; prompts differ per request (so the batch is padd
 The service (``bench/service_perf.py``; ``--quick`` shrinks every size):
 
 - ``p1_failed_requests``, ``p1_p99_ratio``: 8 chats in flight in a closed loop with a new adapter
-  version going live every 3 s, against the same load without swaps (p99 latency ratio);
+  version going live every 3 s, against the same load without swaps (p99 latency ratio; six
+  steady and six swapping windows of 5 s alternate, so the machine's drift falls on both);
 - ``p2_lesson_latency_ms``: feedback with a correction -> retrieval offers the lesson (median);
 - ``p3_adapter_latency_s``: the feedback completing a training batch -> the first request answered
   by the new version (the learner in-process, training on the same model);

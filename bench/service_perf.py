@@ -41,9 +41,10 @@ CORRECTION = "No, I meant Lisbon time"
 
 @dataclass
 class Sizes:
-    load_s: float = 20.0  # p1: seconds of closed-loop load, with and without swaps
+    load_s: float = 30.0  # p1: seconds of closed-loop load, with and without swaps (each)
     concurrency: int = 8  # p1: chats in flight
     swap_every_s: float = 3.0  # p1: a new adapter version this often
+    swap_rounds: int = 6  # p1: steady and swapping windows alternate this many times
     repeats: int = 20  # p2, p4, p5: measurements per figure
     batch: int = 4  # p3: judged turns per training step
     overhead_lessons: int = 100_000  # p4
@@ -56,7 +57,7 @@ class Sizes:
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(load_s=3.0, swap_every_s=0.5, repeats=5, batch=2, overhead_lessons=2000, search_lessons=5000,
+        return cls(load_s=3.0, swap_every_s=0.5, swap_rounds=1, repeats=5, batch=2, overhead_lessons=2000, search_lessons=5000,
                    store_turns=50, mqtt_events=200, train_requests=4, train_batch=2)  # fmt: skip
 
 
@@ -125,9 +126,11 @@ async def _closed_loop(client: httpx.AsyncClient, sizes: Sizes) -> tuple[list[fl
 
 async def p1_swaps_under_load(work: Path, backend: PolicyBackend, model: Path, adapter: Path,
                               sizes: Sizes) -> dict[str, float]:  # fmt: skip
-    """Closed-loop chats on one live adapter version, then with a new version published every
-    ``swap_every_s``: both phases serve through an adapter, so the ratio is the swaps' cost alone
-    (not an adapter's forward cost against the base weights')."""
+    """Closed-loop chats on one live adapter version, in windows that alternate: steady, then with a
+    new version published every ``swap_every_s`` (``swap_rounds`` of each, ``load_s`` in all per phase).
+    Both phases serve through an adapter, so the ratio is the swaps' cost alone (not an adapter's
+    forward cost against the base weights'); alternating windows keep the machine's drift over the
+    run (another process, the clock speed) out of the ratio, which one long window of each let in."""
     async with whet_app(work / "p1", backend, model) as (client, res):
         registry = AdapterRegistry(res.store, res.bus, work / "p1" / "adapters")
         await res.store.add_adapter(Adapter(id="global-0001", path=str(adapter)))
@@ -136,34 +139,44 @@ async def p1_swaps_under_load(work: Path, backend: PolicyBackend, model: Path, a
         await _closed_loop(
             client, Sizes(load_s=min(1.0, sizes.load_s), concurrency=sizes.concurrency)
         )  # warm-up
-        steady, steady_failed = await _closed_loop(client, sizes)
+        window = Sizes(load_s=sizes.load_s / sizes.swap_rounds, concurrency=sizes.concurrency)
+        steady: list[float] = []
+        swapping: list[float] = []
+        failed = 0
         swaps = 1
 
         async def swap_forever() -> None:  # as the learner publishes: store first, then the bus event
             nonlocal swaps
+            await asyncio.sleep(sizes.swap_every_s / 2)
             while True:
-                await asyncio.sleep(sizes.swap_every_s)
                 version = f"global-{swaps + 1:04d}"
-                parent = f"global-{swaps:04d}" if swaps else None
-                await res.store.add_adapter(Adapter(id=version, path=str(adapter), parent=parent))
+                await res.store.add_adapter(Adapter(id=version, path=str(adapter), parent=f"global-{swaps:04d}"))
                 await registry.promote(version)
                 swaps += 1
+                await asyncio.sleep(sizes.swap_every_s)
 
-        swapper = asyncio.create_task(swap_forever())
-        try:
-            swapping, failed = await _closed_loop(client, sizes)
-        finally:
-            swapper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await swapper
-        stored = await res.store.live_adapter("global")  # the store is the truth; the replica must follow it
-        last = stored.id if stored else None
-        await asyncio.wait_for(
-            res.follower.wait_until(lambda: res.adapters.live_version() == last), timeout=60
-        )
-        await res.adapters.settle()
+        for _ in range(sizes.swap_rounds):
+            latencies, window_failed = await _closed_loop(client, window)
+            steady += latencies
+            failed += window_failed
+            swapper = asyncio.create_task(swap_forever())
+            try:
+                latencies, window_failed = await _closed_loop(client, window)
+            finally:
+                swapper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await swapper
+            swapping += latencies
+            failed += window_failed
+            # the next steady window starts on a replica that has followed the last swap
+            stored = await res.store.live_adapter("global")  # the store is the truth; the replica must follow it
+            last = stored.id if stored else None
+            await asyncio.wait_for(
+                res.follower.wait_until(lambda last=last: res.adapters.live_version() == last), timeout=60
+            )
+            await res.adapters.settle()
     return {
-        "p1_failed_requests": failed + steady_failed,
+        "p1_failed_requests": failed,
         "p1_p99_ratio": percentile(swapping, 99) / percentile(steady, 99),
         "p1_p99_ms_steady": percentile(steady, 99) * 1000,
         "p1_p99_ms_swapping": percentile(swapping, 99) * 1000,
