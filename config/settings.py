@@ -309,6 +309,10 @@ class GateConfig(Section):
     regression_set: str | None = "bundled"
     regression_tolerance: float = Field(0.05, ge=0.0)  # nats/token, the set's average
     regression_item_tolerance: float | None = Field(None, ge=0.0)  # nats/token, any one item (null: unchecked)
+    # the regression set's turns answered greedily by live and candidate: how many that the live
+    # version does right (the pinned call, or an answer without one) the candidate may get wrong
+    # (null: unchecked)
+    regression_actions_lost: int | None = Field(0, ge=0)
     # after promotion: roll back when the live adapter's mean judged score over this many
     # recent turns falls below its predecessor's by more than rollback_margin
     rollback_window: int = Field(16, ge=1)

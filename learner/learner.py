@@ -36,7 +36,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -46,7 +46,7 @@ import anyio
 import structlog
 
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
-from whet.learner.gate import PromotionGate, Replayed, load_regression_set
+from whet.learner.gate import PinnedAction, PromotionGate, Replayed, load_pinned_actions, load_regression_set
 from whet.learner.judge import (
     ChatModel,
     ComposedJudge,
@@ -58,7 +58,7 @@ from whet.learner.judge import (
     Verdict,
 )
 from whet.learner.lessons import lesson_for
-from whet.learner.model import resolve_source
+from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
@@ -88,7 +88,8 @@ class Progress:
 
 class Learner:
     """``trainer`` builds the LoraTrainer on first use (in the training thread); None = no weight updates.
-    ``regression``: pinned (prompt ids, response ids) pairs the gate replays."""
+    ``regression``: pinned (prompt ids, response ids) pairs the gate replays; ``pinned``: what each of
+    them must do (the same turns in the same order), checked on live's and candidate's greedy replies."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class Learner:
         *,
         trainer: Callable[[], LoraTrainer] | None = None,
         regression: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
+        pinned: Sequence[PinnedAction] = (),
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
@@ -111,7 +113,7 @@ class Learner:
         self.judge = judge
         self.registry = registry
         self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance,
-                                  config.gate.regression_item_tolerance)
+                                  config.gate.regression_item_tolerance, config.gate.regression_actions_lost)
         self.progress = Progress()
         self._make_trainer = trainer if config.train else None
         self._trainer: LoraTrainer | None = None
@@ -121,6 +123,8 @@ class Learner:
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._regression: list[tuple[list[int], list[int]]] | None = None
         self._regression_live: tuple[str | None, list[float]] | None = None  # (live version, its replay)
+        self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
+        self._pinned_live: tuple[str | None, list[bool]] | None = None  # (live version, its greedy check)
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -386,6 +390,7 @@ class Learner:
         regression = self._regression or []
         before = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_before = self._regression_before(trainer, live.id if live else None, regression)
+        kept_before = self._kept_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
@@ -393,6 +398,7 @@ class Learner:
         baseline.update([s.score for s in samples])
         after = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_after = trainer.mean_logprobs(regression)
+        kept_after = self._kept(trainer, regression)
         self._hook("after_step")
         state = {
             "version": version,
@@ -404,6 +410,7 @@ class Learner:
             "train": stats,
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
+            "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
         }
         staging = folder / f".{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
@@ -430,6 +437,23 @@ class Learner:
         if self._regression_live is None or self._regression_live[0] != live:
             self._regression_live = (live, trainer.mean_logprobs(regression))
         return self._regression_live[1]
+
+    def _kept_before(self, trainer: LoraTrainer, live: str | None,
+                     regression: list[tuple[list[int], list[int]]]) -> list[bool]:  # fmt: skip
+        """:meth:`_kept` under the live version, once per live version (as :meth:`_regression_before`)."""
+        if self._pinned_live is None or self._pinned_live[0] != live:
+            self._pinned_live = (live, self._kept(trainer, regression))
+        return self._pinned_live[1]
+
+    def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]]) -> list[bool]:
+        """Whether the adapter in ``trainer`` answers each pinned turn, greedily, as it pins
+        (:class:`PinnedAction`); a reply gets the pinned reply's length and a few tokens more."""
+        if not self._pinned or len(self._pinned) != len(regression):
+            return []
+        replies = trainer.greedy_actions([p for p, _ in regression], [len(r) + 8 for _, r in regression])
+        stops = stop_token_ids(trainer.tokenizer, trainer.model)
+        texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
+        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)]
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:
         score, hint = judgment.score, judgment.hint
@@ -464,7 +488,8 @@ class Learner:
         if row is None or row.status != "candidate":
             return  # decided before a restart
         decision = self.gate.decide(
-            [Replayed(*r) for r in state["holdout"]], [Replayed(*r) for r in state["regression"]]
+            [Replayed(*r) for r in state["holdout"]], [Replayed(*r) for r in state["regression"]],
+            [(bool(b), bool(a)) for b, a in state.get("actions", [])],
         )
         gate = {"accepted": decision.accepted, "reason": decision.reason, **decision.metrics}
         self.progress.steps += 1
@@ -633,6 +658,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         AdapterRegistry(store, bus, config.data_path / "adapters"),
         trainer=trainer,
         regression=(lambda tokenizer: load_regression_set(regression, tokenizer)) if regression else None,
+        pinned=load_pinned_actions(regression) if regression else (),
         rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
         if rehearsal else None,
     )

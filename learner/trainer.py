@@ -206,20 +206,30 @@ class LoraTrainer:
     def teacher_action(self, teacher_prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The action the policy as it is now takes, greedy, from the hinted prompt: its token ids,
         the end-of-turn token included when it stopped on one (as the engine records them)."""
+        return self.greedy_actions([teacher_prompt_ids], [max_new_tokens])[0]
+
+    def greedy_actions(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+        """:meth:`teacher_action` of each prompt, at most ``max_new_tokens[i]`` tokens for the i-th;
+        the prefix the prompts share (system prompt and tool list) is read once for all of them."""
         stops = stop_token_ids(self.tokenizer, self.model)
-        ids = torch.tensor([list(teacher_prompt_ids)], device=self.device)  # [1, P]
-        out: list[int] = []
+        caches = self._prompt_caches(prompts)
+        actions = []
         with torch.no_grad(), self._autocast():
-            logits = self.model(ids, use_cache=True, **self._keep(1))
-            cache = cache_of(logits)
-            for _ in range(max_new_tokens):
-                token = int(logits.logits[0, -1].float().argmax())
-                out.append(token)
-                if token in stops:
-                    break
-                logits = self.model(torch.tensor([[token]], device=self.device), **with_cache(cache), use_cache=True)
-                cache = cache_of(logits)
-        return out
+            for prompt, limit in zip(prompts, max_new_tokens, strict=True):
+                kept = caches.get(tuple(prompt[:-1]))
+                cache = copy.deepcopy(kept) if kept is not None else None  # decoding appends to it
+                ids = torch.tensor([list(prompt[-1:] if kept is not None else prompt)], device=self.device)
+                out: list[int] = []
+                for _ in range(limit):
+                    step = self.model(ids, **with_cache(cache), use_cache=True, **self._keep(1))
+                    cache = cache_of(step)
+                    token = int(step.logits[0, -1].float().argmax())
+                    out.append(token)
+                    if token in stops:
+                        break
+                    ids = torch.tensor([[token]], device=self.device)
+                actions.append(out)
+        return actions
 
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The average per-token log-prob of a response: the promotion gate's replay measure."""

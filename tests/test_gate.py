@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from whet.learner.gate import PromotionGate, Replayed
+from whet.learner.gate import PinnedAction, PromotionGate, Replayed
 
 
 def test_one_regression_item_falling_far_is_rejected_even_when_the_average_holds():
@@ -26,3 +26,50 @@ def test_a_falling_regression_average_is_rejected():
     items = [Replayed(0, -0.5, -0.6)] * 4
     decision = PromotionGate(regression_tolerance=0.05).decide([], items)
     assert not decision.accepted and "regression set likelihood fell" in decision.reason
+
+
+def test_a_candidate_that_gets_a_pinned_turn_wrong_which_live_got_right_is_rejected():
+    items = [Replayed(0, -0.5, -0.5)] * 3  # the likelihoods hold
+    gate = PromotionGate(regression_actions_lost=0)
+    # live right on turns 0 and 1; the candidate fixes turn 2 but loses turn 1
+    decision = gate.decide([], items, [(True, True), (True, False), (False, True)])
+    assert not decision.accepted and "1 pinned turn(s)" in decision.reason
+    assert decision.metrics["regression_actions_kept"] == [2, 2] and decision.metrics["regression_actions_lost"] == 1
+    assert gate.decide([], items, [(True, True), (False, False), (False, True)]).accepted
+    assert PromotionGate(regression_actions_lost=1).decide([], items, [(True, False)]).accepted
+    assert PromotionGate().decide([], items, [(True, False)]).accepted  # unchecked
+
+
+def _pinned(response: str, messages: list | None = None) -> PinnedAction:
+    tools = [{"type": "function", "function": {"name": "add_note", "parameters": {"properties": {
+        "text": {"type": "string"}, "list_name": {"type": "string", "default": "inbox"},
+        "kind": {"type": "string", "default": "note"}}}}}]  # fmt: skip
+    return PinnedAction.of({"messages": messages or [{"role": "user", "content": "?"}], "response": response,
+                            "tools": tools})  # fmt: skip
+
+
+def _call(arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "add_note", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_pinned_call_is_kept_by_the_same_tool_and_arguments_defaults_and_case_aside():
+    pinned = _pinned(_call('{"text": "my shoe size is 43"}'))
+    assert pinned.kept(_call('{"text": "My shoe size is 43", "list_name": "inbox"}'))  # the default, written out
+    assert not pinned.kept(_call('{"text": "my shoe size is 43", "list_name": "errands"}'))  # a user's list leaked in
+    assert not pinned.kept(_call('{"text": "my shoe size is 44"}'))
+    assert not pinned.kept("Noted: your shoe size is 43.")  # no call
+    assert not pinned.kept(_call('{"text": "my shoe size is 43"}') + _call('{"text": "again"}'))
+    assert not pinned.kept('<tool_call>\n{"name": "add_note", "arguments": \n</tool_call>')  # unreadable
+
+
+def test_a_pinned_answer_calls_nothing_and_keeps_the_numbers_it_read_from_the_tools():
+    messages = [{"role": "user", "content": "What's 22 plus 45?"},
+                {"role": "assistant", "content": "", "tool_calls": []},
+                {"role": "tool", "content": '{"expression": "22 + 45", "result": 67}'}]  # fmt: skip
+    pinned = _pinned("The answer is 67.", messages)
+    assert pinned.kept("22 + 45 = 67.")
+    assert not pinned.kept("The answer is 76.")
+    assert not pinned.kept(_call('{"text": "67"}'))
+    small_talk = _pinned("A giraffe's tongue can be about 50 centimetres long.")  # 50 comes from no tool
+    assert small_talk.kept("Giraffes sleep standing up.") and not small_talk.kept(_call('{"text": "giraffes"}'))
+    assert not small_talk.kept("")  # a reply that ends at once answers nothing

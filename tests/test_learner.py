@@ -295,12 +295,16 @@ def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Pat
 
 
 async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer: str, score: int, split: str,
-                      user: str = "alice") -> str:  # fmt: skip
-    """A recorded, closed turn with a verdict written directly (the split chosen by the test)."""
+                      user: str = "alice", sampled_at: float | None = None) -> str:  # fmt: skip
+    """A recorded, closed turn with a verdict written directly (the split chosen by the test).
+    ``sampled_at``: the log-prob the engine recorded for every response token (default: the
+    encoder's own, i.e. an on-policy turn)."""
     session = await store.create_session(user)
     messages, prompt, response = encode_turn(encoder, question, answer)
     with torch.no_grad():
         behaviour = encoder.response_logprobs(prompt, response).tolist()
+    if sampled_at is not None:
+        behaviour = [sampled_at] * len(response)
     turn = await store.add_turn(TurnCreate(
         session_id=session.id, user_id=user, request_id=f"req-{session.id}", step=0, model="tiny",
         prompt_messages=messages, prompt_token_ids=prompt, response_text=answer,
@@ -344,6 +348,51 @@ async def test_the_gate_rejects_a_candidate_trained_on_inverted_rewards(tiny_mod
     assert (gate["preference_margin"] > 0) is accepted
     live = await store.live_adapter("global")
     assert (live.id if live else None) == (version if accepted else None)
+
+
+@pytest.fixture(scope="module")
+def hello_policy(tiny_model, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The tiny model taught to answer "Say hello." with "Hello!"."""
+    chat = [SYSTEM, {"role": "user", "content": "Say hello."}]
+    folder = tmp_path_factory.mktemp("hello")
+    return memorize(tiny_model, folder, [(chat, [], {"role": "assistant", "content": "Hello!"})]), chat
+
+
+CALL_FOR_HELLO = '<tool_call>\n{"name": "add_note", "arguments": {"text": "hello"}}\n</tool_call>'
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("checked", "accepted"), [(0, False), (None, True)], ids=["checked", "unchecked"])
+async def test_the_gate_rejects_a_candidate_whose_greedy_reply_breaks_a_pinned_turn(
+    hello_policy, tmp_path, store, checked, accepted
+):
+    """A step pushing a tool call onto pinned small talk breaks its greedy reply while the pinned
+    reply's likelihood stays within a (here lax) tolerance: the greedy check is what rejects it."""
+    from whet.learner.gate import PinnedAction
+
+    policy, chat = hello_policy
+    config = learner_config(batch_size=8, objective={"kind": "rl"},
+                            lora={**LORA.model_dump(), "learning_rate": 5e-2, "epochs": 4},
+                            gate={"holdout_fraction": 0.0, "regression_tolerance": 100.0,
+                                  "regression_actions_lost": checked})  # fmt: skip
+    encoder = new_trainer(policy)
+    pinned = encode_turn(encoder, "Say hello.", "Hello!")[1:]
+    learner = make_learner(config, store, MemoryBus(), policy, tmp_path / "adapters",
+                           regression=lambda tokenizer: [pinned],
+                           pinned=[PinnedAction.of({"messages": chat, "response": "Hello!"})])  # fmt: skip
+    for _ in range(8):
+        # recorded as if sampled with certainty: the importance ratio stays below its clip, so every
+        # pass pushes the taught reply up (on-policy, the clip ends a step long before it moves a
+        # memorized greedy reply)
+        await judged_turn(store, encoder, "Say hello.", CALL_FOR_HELLO, 1, "train", sampled_at=0.0)
+    [version] = await learner.train_ready()
+    row = await store.get_adapter(version)
+    gate = row.metrics["gate"]
+    assert row.status == ("live" if accepted else "rejected"), gate["reason"]
+    if checked is not None:
+        assert gate["regression_actions_kept"] == [1, 0] and gate["regression_actions_lost"] == 1
+    else:
+        assert gate["regression_actions_kept"] is None
 
 
 class Crash(Exception):
