@@ -130,6 +130,9 @@ async def _join_running(backend, request) -> asyncio.Future:
     """Start ``request`` while the engine holds a running sequence, before its next step."""
     engine, loop = backend._engine, asyncio.get_running_loop()
     expected = engine.submitted + 1
+    deadline = loop.time() + 20
+    while not engine.rows and loop.time() < deadline:  # its first token's text can arrive before it joins the batch
+        await asyncio.sleep(0.001)
     with backend._lock.write():  # waits for the step in progress; the next one waits for us
         assert len(engine.rows) == 1, "the running request should still be in the batch"
         task = asyncio.ensure_future(request)
@@ -339,3 +342,20 @@ async def test_a_version_loaded_into_a_retired_versions_modules_answers_as_if_lo
     finally:
         await fresh.aclose()
         await reused.aclose()
+
+
+def test_sampling_draws_from_the_tempered_distribution_and_never_outside_the_nucleus():
+    from whet.runtime.hf import sample_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])  # [1, V]
+    for temperature in (1.0, 0.5):
+        want = torch.softmax(logits[0] / temperature, dim=-1)
+        generator = torch.Generator().manual_seed(7)
+        counts = torch.zeros(5)
+        for _ in range(4000):
+            counts[sample_tokens(logits, [(temperature, 1.0)], [generator])[0][0]] += 1
+        assert torch.allclose(counts / 4000, want, atol=0.025), (temperature, counts / 4000, want)
+    # top_p 0.7: the two likeliest tokens hold 0.66 + 0.24 of the mass, so only they may be drawn
+    generator = torch.Generator().manual_seed(7)
+    drawn = {sample_tokens(logits, [(1.0, 0.7)], [generator])[0][0] for _ in range(500)}
+    assert drawn == {0, 1}
