@@ -48,6 +48,7 @@ class Sizes:
     repeats: int = 20  # p2, p4, p5: measurements per figure
     batch: int = 4  # p3: judged turns per training step
     overhead_lessons: int = 100_000  # p4
+    overhead_requests: int = 200  # p4: requests timed (a median of a few ms wants many)
     search_lessons: int = 1_000_000  # p5
     search_users: int = 10  # p5: the lessons are spread over this many users
     store_turns: int = 1000  # p6
@@ -57,8 +58,8 @@ class Sizes:
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(load_s=3.0, swap_every_s=0.5, swap_rounds=1, repeats=5, batch=2, overhead_lessons=2000, search_lessons=5000,
-                   store_turns=50, mqtt_events=200, train_requests=4, train_batch=2)  # fmt: skip
+        return cls(load_s=3.0, swap_every_s=0.5, swap_rounds=1, repeats=5, batch=2, overhead_lessons=2000,
+                   overhead_requests=10, search_lessons=5000, store_turns=50, mqtt_events=200, train_requests=4, train_batch=2)  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -264,7 +265,7 @@ async def p4_loop_overhead(work: Path, model: Path, sizes: Sizes) -> dict[str, f
         raw, whole = [], []
         for _ in range(3):  # warm-up
             await chat(client, messages[0]["content"])
-        for _ in range(sizes.repeats):
+        for _ in range(sizes.overhead_requests):
             started = time.perf_counter()
             await backend.generate(messages, [], SamplingParams(max_new_tokens=8))
             raw.append(time.perf_counter() - started)

@@ -63,7 +63,8 @@ class PromotionGate:
         """``actions``: for each pinned turn, whether the live version's and the candidate's greedy
         replies did what it pins (:class:`PinnedAction`)."""
         margin = preference_margin(holdout)
-        lost = sum(live and not candidate for live, candidate in actions) if actions else None
+        lost_items = [i for i, (live, candidate) in enumerate(actions) if live and not candidate]
+        lost = len(lost_items) if actions else None
         drift = fmean(r.after - r.before for r in regression) if regression else None
         worst = min(r.after - r.before for r in regression) if regression else None
         metrics = {
@@ -77,6 +78,7 @@ class PromotionGate:
             "regression_item_tolerance": self.regression_item_tolerance,
             "regression_actions_kept": [sum(a[0] for a in actions), sum(a[1] for a in actions)] if actions else None,
             "regression_actions_lost": lost,
+            "regression_actions_lost_items": lost_items,  # their lines in the regression set, from 0
         }
         if margin is not None and margin < -self.tolerance:
             reason = f"held-out preference margin {margin:+.4f} nats/token is below -{self.tolerance}"

@@ -35,6 +35,7 @@ def test_a_candidate_that_gets_a_pinned_turn_wrong_which_live_got_right_is_rejec
     decision = gate.decide([], items, [(True, True), (True, False), (False, True)])
     assert not decision.accepted and "1 pinned turn(s)" in decision.reason
     assert decision.metrics["regression_actions_kept"] == [2, 2] and decision.metrics["regression_actions_lost"] == 1
+    assert decision.metrics["regression_actions_lost_items"] == [1]
     assert gate.decide([], items, [(True, True), (False, False), (False, True)]).accepted
     assert PromotionGate(regression_actions_lost=1).decide([], items, [(True, False)]).accepted
     assert PromotionGate().decide([], items, [(True, False)]).accepted  # unchecked
