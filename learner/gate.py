@@ -31,8 +31,7 @@ from statistics import fmean
 from typing import Any
 
 from whet.config.settings import ConfigError
-from whet.learner.prompt import prompt_text
-from whet.runtime.chat_format import parse_tool_calls
+from whet.learner.prompt import prompt_text, split_tool_calls
 
 
 @dataclass(frozen=True)
@@ -172,18 +171,18 @@ class PinnedAction:
             properties = (function.get("parameters") or {}).get("properties") or {}
             defaults[function.get("name")] = {k: v["default"] for k, v in properties.items()
                                               if isinstance(v, dict) and "default" in v}  # fmt: skip
-        _, calls, _ = parse_tool_calls(record["response"])
+        _, calls, _ = split_tool_calls(record["response"])
         results = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "tool")
         numbers = frozenset(_NUMBER.findall(record["response"])) & frozenset(_NUMBER.findall(results)) if not calls else frozenset()
         pinned = cls((), defaults, numbers)
-        return cls(tuple(pinned._canonical(c.name, c.arguments) for c in calls), defaults, numbers)
+        return cls(tuple(pinned._canonical(name, arguments) for name, arguments in calls), defaults, numbers)
 
     def kept(self, reply: str) -> bool:
-        content, calls, errors = parse_tool_calls(reply)
+        content, calls, errors = split_tool_calls(reply)
         if errors or len(calls) != len(self.calls):
             return False
         if self.calls:
-            return all(self._canonical(c.name, c.arguments) == want for c, want in zip(calls, self.calls, strict=True))
+            return all(self._canonical(*call) == want for call, want in zip(calls, self.calls, strict=True))
         return bool(content) and self.numbers <= set(_NUMBER.findall(content))
 
     def _canonical(self, tool: str, arguments: dict[str, Any]) -> tuple[str, str]:

@@ -415,7 +415,7 @@ def _reminder(phrasing: str, rng: random.Random, p: Profile, v: Vocabulary) -> T
     thing = rng.choice(v.things)
     args = {"text": thing, "list_name": p.reminders_list, "kind": "todo"}
     return Task("reminder", phrasing.format(thing=thing), ToolUse("add_note", args), personal=True,
-                shows=(p.reminders_list,), preference=p.reminders_list,
+                shows=(p.reminders_list,), pattern=_saying(thing), preference=p.reminders_list,
                 correction=f"No, I meant on my {p.reminders_list} list.")
 
 
@@ -451,7 +451,14 @@ def _convert(phrasing: str, rng: random.Random, p: Profile, v: Vocabulary) -> Ta
 def _add_todo(phrasing: str, rng: random.Random, p: Profile, v: Vocabulary) -> Task:
     thing, name = rng.choice(v.things), rng.choice(v.lists)
     args = {"text": thing, "list_name": name, "kind": "todo"}
-    return Task("add_todo", phrasing.format(thing=thing, list=name), ToolUse("add_note", args), shows=(name,))
+    return Task("add_todo", phrasing.format(thing=thing, list=name), ToolUse("add_note", args), shows=(name,),
+                pattern=_saying(thing))
+
+
+def _saying(thing: str) -> str:
+    """An answer that says what was saved: "Saved the note: my errands list." names the list, but a
+    person who asked to be reminded to cancel the gym trial does not take it as done."""
+    return rf"(?i){re.escape(thing)}"
 
 
 def _add_note(phrasing: str, rng: random.Random, p: Profile, v: Vocabulary) -> Task:
