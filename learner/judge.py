@@ -147,6 +147,9 @@ WRONG_HINT = "The user said it was wrong: "  # a correction that names nothing (
 CONTENT_FREE_HINTS = (REQUERY_HINT, WRONG_HINT)  # hints that say only that the action was wrong
 
 
+TOOL_FAILED = "returned an error"  # in the reason of a call's verdict from its tool's error
+
+
 class RulesJudge:
     """Deterministic verdicts from the next state alone; never raises for well-formed turns.
 
@@ -199,7 +202,7 @@ class RulesJudge:
             if content.lower().startswith("error:"):
                 name = result.get("name") or _call_name(turn, result.get("tool_call_id")) or "the tool"
                 message = _clip(" ".join(content[len("error:"):].split()))
-                return self._verdict(-1, f"Calling {name} failed: {message}", f"tool {name} returned an error")
+                return self._verdict(-1, f"Calling {name} failed: {message}", f"tool {name} {TOOL_FAILED}")
         if approval.get("decision") == "approved":  # a person agreed the action was right
             return self._verdict(1, None, "the user approved the call")
         return self._verdict(0, None, "tool ran without error" if results else "no tool results")

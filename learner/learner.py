@@ -48,6 +48,7 @@ import structlog
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
 from whet.learner.gate import PinnedAction, PromotionGate, Replayed, load_pinned_actions, load_regression_set
 from whet.learner.judge import (
+    TOOL_FAILED,
     ChatModel,
     ComposedJudge,
     Judge,
@@ -295,13 +296,23 @@ class Learner:
         return "holdout" if bucket < self.config.gate.holdout_fraction else "train"
 
     async def _credit(self, request: list[Turn], final: Turn, verdict: Verdict) -> None:
-        """Earlier steps that their tool results left neutral share the request's outcome."""
+        """Earlier steps that their tool results left neutral share the request's outcome; a call
+        whose tool failed, not yet trained, takes a correction's hint in place of the tool's error.
+
+        A tool's error says the call was wrong; the user's correction says what was meant
+        ("Unknown timezone 'Espresso'" against "The user meant Lisbon time"), which is what the
+        hinted teacher needs to write the right call."""
         if verdict.score == 0 and verdict.hint is None:
             return
         for turn in request:
             if turn.step >= final.step or turn.closed_at is None:
                 continue
             own = await self.store.get_judgment(turn.id)
+            failed = own is not None and own.score < 0 and own.reason.endswith(TOOL_FAILED) and own.judge != "credit"
+            if failed and verdict.score < 0 and verdict.hint and not own.trained_in:
+                why = f"{own.reason}; the request's correction (turn {final.id}): {verdict.reason}"
+                await self._save(turn, Verdict(-1, verdict.hint, why, "credit"))
+                continue
             if own is not None and (own.score != 0 or own.hint or own.trained_in):
                 continue
             why = f"the request's outcome (turn {final.id}): {verdict.reason}"

@@ -495,6 +495,34 @@ async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_st
 
 
 @pytest.mark.anyio
+async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(tmp_path, store):
+    bus = MemoryBus()
+    await bus.start()
+    experience = Experience(store, bus)
+    learner = Learner(learner_config(train=False, lessons=False), store, bus, RulesJudge(),
+                      AdapterRegistry(store, bus, tmp_path))  # fmt: skip
+    session = await store.create_session("alice")
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Espresso"}'}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
+    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
+                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    error = "error: Unknown timezone 'Espresso'."
+    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": error}]})
+    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="Sorry.",
+                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    await learner.catch_up()
+    assert (await store.get_judgment(step0.id)).hint.startswith("Calling now failed")
+    await experience.close_open(session.id, "user_message",
+                                {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})  # fmt: skip
+    await learner.catch_up()
+    tool_step = await store.get_judgment(step0.id)
+    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, "The user meant Lisbon time", "credit")
+    assert "returned an error" in tool_step.reason and tool_step.trainable
+    await bus.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_live_adapter_whose_judged_score_falls_below_its_predecessors_is_rolled_back(tmp_path, store):
     from whet.memory.bus import ADAPTER_PUBLISHED
     from whet.memory.tables import Adapter
