@@ -31,7 +31,8 @@ BATCH = 4
 
 def chat(client: httpx.Client, text: str) -> str:
     """One request in a fresh session; returns the turn id of the answer."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    # greedy: a sampled reply of the untrained model may hold a tool call (a third judged turn)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0}
     response = client.post("/v1/chat/completions", json=body, headers={"X-Whet-Session": uuid.uuid4().hex})
     assert response.status_code == 200, response.text
     return response.json()["id"]
