@@ -516,7 +516,8 @@ async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(t
     await experience.close_open(session.id, "user_message",
                                 {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})  # fmt: skip
     await learner.catch_up()
-    tool_step = await store.get_judgment(step0.id)
+    answer, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
+    assert (answer.score, answer.hint) == (-1, "The user meant Lisbon time")
     assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, "The user meant Lisbon time", "credit")
     assert "returned an error" in tool_step.reason and tool_step.trainable
     await bus.aclose()
