@@ -174,25 +174,26 @@ class PinnedAction:
         _, calls, _ = split_tool_calls(record["response"])
         results = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "tool")
         numbers = frozenset(_NUMBER.findall(record["response"])) & frozenset(_NUMBER.findall(results)) if not calls else frozenset()
-        pinned = cls((), defaults, numbers)
-        return cls(tuple(pinned._canonical(name, arguments) for name, arguments in calls), defaults, numbers)
+        return cls(tuple(_canonical(defaults, name, arguments) for name, arguments in calls), defaults, numbers)
 
     def kept(self, reply: str) -> bool:
         content, calls, errors = split_tool_calls(reply)
         if errors or len(calls) != len(self.calls):
             return False
         if self.calls:
-            return all(self._canonical(*call) == want for call, want in zip(calls, self.calls, strict=True))
+            return all(_canonical(self.defaults, *call) == want for call, want in zip(calls, self.calls, strict=True))
         return bool(content) and self.numbers <= set(_NUMBER.findall(content))
 
-    def _canonical(self, tool: str, arguments: dict[str, Any]) -> tuple[str, str]:
-        full = {**self.defaults.get(tool, {}), **arguments}
-        return tool, json.dumps({k: _plain(v) for k, v in full.items() if v is not None}, sort_keys=True)
+
+def _canonical(defaults: dict[str, dict[str, Any]], tool: str, arguments: dict[str, Any]) -> tuple[str, str]:
+    """(tool, its arguments as compared): every argument the schema defaults, then :func:`_plain` values."""
+    full = {**defaults.get(tool, {}), **arguments}
+    return tool, json.dumps({k: _plain(v) for k, v in full.items() if v is not None}, sort_keys=True)
 
 
 def _plain(value: Any) -> Any:
-    """An argument's value as compared: numbers as floats (``"40"`` = ``40`` = ``40.0``), text stripped and
-    case-folded."""
+    """An argument's value as compared: numbers as floats (``"40"`` = ``40`` = ``40.0``), text without
+    whitespace and case-folded."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float):

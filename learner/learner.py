@@ -123,9 +123,9 @@ class Learner:
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._regression: list[tuple[list[int], list[int]]] | None = None
-        self._regression_live: tuple[str | None, list[float]] | None = None  # (live version, its replay)
+        # (live version, the regression set's log-probs and greedy checks under it)
+        self._regression_live: tuple[str | None, list[float], list[bool]] | None = None
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
-        self._pinned_live: tuple[str | None, list[bool]] | None = None  # (live version, its greedy check)
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -400,8 +400,7 @@ class Learner:
         samples = [self._sample(trainer, j, t) for j, t in batch]
         regression = self._regression or []
         before = trainer.mean_logprobs([(p, r) for _, p, r in held])
-        reg_before = self._regression_before(trainer, live.id if live else None, regression)
-        kept_before = self._kept_before(trainer, live.id if live else None, regression)
+        reg_before, kept_before = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
@@ -442,19 +441,12 @@ class Learner:
         return [self._rehearsal[i] for i in picked]
 
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
-                           regression: list[tuple[list[int], list[int]]]) -> list[float]:  # fmt: skip
-        """The regression set under the live version (loaded in ``trainer``): the same for every
-        candidate made from it, so it is replayed once per live version."""
+                           regression: list[tuple[list[int], list[int]]]) -> tuple[list[float], list[bool]]:  # fmt: skip
+        """The regression set under the live version (loaded in ``trainer``), its log-probs and
+        :meth:`_kept`: the same for every candidate made from it, so it is replayed once per live version."""
         if self._regression_live is None or self._regression_live[0] != live:
-            self._regression_live = (live, trainer.mean_logprobs(regression))
-        return self._regression_live[1]
-
-    def _kept_before(self, trainer: LoraTrainer, live: str | None,
-                     regression: list[tuple[list[int], list[int]]]) -> list[bool]:  # fmt: skip
-        """:meth:`_kept` under the live version, once per live version (as :meth:`_regression_before`)."""
-        if self._pinned_live is None or self._pinned_live[0] != live:
-            self._pinned_live = (live, self._kept(trainer, regression))
-        return self._pinned_live[1]
+            self._regression_live = (live, trainer.mean_logprobs(regression), self._kept(trainer, regression))
+        return self._regression_live[1], self._regression_live[2]
 
     def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]]) -> list[bool]:
         """Whether the adapter in ``trainer`` answers each pinned turn, greedily, as it pins

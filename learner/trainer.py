@@ -177,14 +177,12 @@ class LoraTrainer:
         keys = list(dict.fromkeys(tuple(p[:-1]) for p in prompts if len(p) > 1))
         if not keys:
             return {}
-        common = os.path.commonprefix(keys) if len(keys) > 1 else ()
         caches: dict[tuple[int, ...], Any] = {}
         with torch.no_grad(), self._autocast():
-            shared = (cache_of(self.model(torch.tensor([common], device=self.device), use_cache=True, **self._keep(1)))
-                      if common else None)  # fmt: skip
+            start, shared = self._shared_prefix(keys)
             for key in keys:
                 cache = copy.deepcopy(shared) if shared is not None else None
-                rest = key[len(common):]
+                rest = key[start:]
                 if rest:
                     cache = cache_of(self.model(torch.tensor([rest], device=self.device), **with_cache(cache),
                                                 use_cache=True, **self._keep(1)))  # fmt: skip
@@ -212,13 +210,12 @@ class LoraTrainer:
         """:meth:`teacher_action` of each prompt, at most ``max_new_tokens[i]`` tokens for the i-th;
         the prefix the prompts share (system prompt and tool list) is read once for all of them."""
         stops = stop_token_ids(self.tokenizer, self.model)
-        caches = self._prompt_caches(prompts)
         actions = []
         with torch.no_grad(), self._autocast():
+            start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
             for prompt, limit in zip(prompts, max_new_tokens, strict=True):
-                kept = caches.get(tuple(prompt[:-1]))
-                cache = copy.deepcopy(kept) if kept is not None else None  # decoding appends to it
-                ids = torch.tensor([list(prompt[-1:] if kept is not None else prompt)], device=self.device)
+                cache = copy.deepcopy(shared) if shared is not None else None  # decoding appends to it
+                ids = torch.tensor([list(prompt[start:])], device=self.device)  # the prompt's own rest
                 out: list[int] = []
                 for _ in range(limit):
                     step = self.model(ids, **with_cache(cache), use_cache=True, **self._keep(1))
@@ -238,21 +235,28 @@ class LoraTrainer:
     def mean_logprobs(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
         """:meth:`mean_logprob` of each (prompt, response), exactly under the adapter as it is now;
         the prefix the prompts share is read once for all of them."""
-        keys = [tuple(p[:-1]) for p, _ in items]
-        common = os.path.commonprefix(keys) if len(keys) > 1 else ()
         out = []
         with torch.no_grad(), self._autocast():
-            shared = (cache_of(self.model(torch.tensor([common], device=self.device), use_cache=True, **self._keep(1)))
-                      if common else None)  # fmt: skip
+            start, shared = self._shared_prefix([tuple(p[:-1]) for p, _ in items])
             for prompt, response in items:
-                tokens, start = [*prompt, *response], len(common) if shared is not None else 0
-                cache = copy.deepcopy(shared) if start else None
+                tokens = [*prompt, *response]
+                cache = copy.deepcopy(shared) if shared is not None else None
                 ids = torch.tensor([tokens[start:-1]], device=self.device)  # [1, L]: token i predicts i+1
                 logits = self.model(ids, **with_cache(cache), use_cache=cache is not None,
                                     **self._keep(len(response))).logits[0, -len(response):]  # fmt: skip
                 picked = _pick(torch.log_softmax(logits.float(), dim=-1), response)  # [T]
                 out.append(float(picked.mean()))
         return out
+
+    def _shared_prefix(self, keys: Sequence[tuple[int, ...]]) -> tuple[int, Any]:
+        """(length, keys and values) of the prefix that all of several prompts share (the system prompt
+        and the tool list), run once under the adapter as it is now; (0, None) for one prompt or none
+        shared. Call it without gradients."""
+        common = os.path.commonprefix(list(keys)) if len(keys) > 1 else ()
+        if not common:
+            return 0, None
+        return len(common), cache_of(self.model(torch.tensor([common], device=self.device), use_cache=True,
+                                                **self._keep(1)))  # fmt: skip
 
     def _keep(self, n: int) -> dict[str, int]:
         return {"logits_to_keep": n} if self._keeps else {}

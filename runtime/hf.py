@@ -133,7 +133,7 @@ def sample_tokens(
         # token in any batch (torch.multinomial, one row at a time, cost 1 ms a row at 49k tokens)
         cdf = torch.cumsum(probs.double(), dim=-1)  # [S, V]
         uniform = torch.cat([torch.rand(1, generator=generators[b], dtype=torch.float64, device=logits.device)
-                             for b in drawn])  # [S] fmt: skip
+                             for b in drawn])  # [S]  # fmt: skip
         picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]  # [S]: first cdf > u
         last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)  # [S]: last drawable
         tokens[drawn] = torch.minimum(picks, last)  # u * total rounded up to the total: the last drawable token

@@ -463,21 +463,29 @@ async def test_a_learner_killed_mid_batch_trains_every_turn_exactly_once_after_r
     assert not list(root.rglob("*.partial"))
 
 
+async def time_at_home(store: Store, experience: Experience, timezone: str, result: str, answer: str) -> tuple:
+    """(session, call turn, answer turn) of one request: "What time is it at home?", a call of now(timezone)
+    whose tool returned ``result``, then ``answer``; the answer's turn is left open for the user's reply."""
+    session = await store.create_session("alice")
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
+    arguments = json.dumps({"timezone": timezone})
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
+    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
+                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": result}]})
+    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text=answer,
+                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    return session, step0, step1
+
+
 @pytest.mark.anyio
 async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_step_and_a_lesson(tmp_path, store):
     bus = MemoryBus()
     await bus.start()
     experience = Experience(store, bus)
     learner = Learner(learner_config(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
-    session = await store.create_session("alice")
-    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
-    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Europe/Paris"}'}}
-    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
-    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
-                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
-    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "10:00"}]})
-    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 10:00.",
-                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    session, step0, step1 = await time_at_home(store, experience, "Europe/Paris", "10:00", "It is 10:00.")
     async with bus.subscribe(LESSON_ADDED) as events:
         await learner.catch_up()  # judges the tool step: ran fine, so neutral for now
         assert (await store.get_judgment(step0.id)).score == 0
@@ -501,16 +509,8 @@ async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(t
     experience = Experience(store, bus)
     learner = Learner(learner_config(train=False, lessons=False), store, bus, RulesJudge(),
                       AdapterRegistry(store, bus, tmp_path))  # fmt: skip
-    session = await store.create_session("alice")
-    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
-    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Espresso"}'}}
-    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
-    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
-                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
     error = "error: Unknown timezone 'Espresso'."
-    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": error}]})
-    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="Sorry.",
-                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    session, step0, step1 = await time_at_home(store, experience, "Espresso", error, "Sorry.")
     await learner.catch_up()
     assert (await store.get_judgment(step0.id)).hint.startswith("Calling now failed")
     await experience.close_open(session.id, "user_message",
