@@ -123,8 +123,8 @@ class Learner:
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._regression: list[tuple[list[int], list[int]]] | None = None
-        # (live version, the regression set's log-probs and greedy checks under it)
-        self._regression_live: tuple[str | None, list[float], list[bool]] | None = None
+        # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
+        self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
@@ -408,7 +408,7 @@ class Learner:
         baseline.update([s.score for s in samples])
         after = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_after = trainer.mean_logprobs(regression)
-        kept_after = self._kept(trainer, regression)
+        kept_after, _ = self._kept(trainer, regression, self._regression_live[3] if self._regression_live else None)
         self._hook("after_step")
         state = {
             "version": version,
@@ -445,18 +445,23 @@ class Learner:
         """The regression set under the live version (loaded in ``trainer``), its log-probs and
         :meth:`_kept`: the same for every candidate made from it, so it is replayed once per live version."""
         if self._regression_live is None or self._regression_live[0] != live:
-            self._regression_live = (live, trainer.mean_logprobs(regression), self._kept(trainer, regression))
+            # the version before's replies are the likeliest guesses; the pinned replies the first time
+            guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
+            kept, replies = self._kept(trainer, regression, guesses)
+            self._regression_live = (live, trainer.mean_logprobs(regression), kept, replies)
         return self._regression_live[1], self._regression_live[2]
 
-    def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]]) -> list[bool]:
+    def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]],
+              guesses: list[list[int]] | None) -> tuple[list[bool], list[list[int]]]:  # fmt: skip
         """Whether the adapter in ``trainer`` answers each pinned turn, greedily, as it pins
-        (:class:`PinnedAction`); a reply gets the pinned reply's length and a few tokens more."""
+        (:class:`PinnedAction`), and its replies; a reply gets the pinned reply's length and a few
+        tokens more. ``guesses``: replies it likely gives (the live version's), which only save time."""
         if not self._pinned or len(self._pinned) != len(regression):
-            return []
-        replies = trainer.greedy_actions([p for p, _ in regression], [len(r) + 8 for _, r in regression])
+            return [], []
+        replies = trainer.greedy_actions([p for p, _ in regression], [len(r) + 8 for _, r in regression], guesses)
         stops = stop_token_ids(trainer.tokenizer, trainer.model)
         texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
-        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)]
+        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:
         score, hint = judgment.score, judgment.hint

@@ -206,25 +206,40 @@ class LoraTrainer:
         the end-of-turn token included when it stopped on one (as the engine records them)."""
         return self.greedy_actions([teacher_prompt_ids], [max_new_tokens])[0]
 
-    def greedy_actions(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+    def greedy_actions(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                       guesses: Sequence[Sequence[int] | None] | None = None) -> list[list[int]]:  # fmt: skip
         """:meth:`teacher_action` of each prompt, at most ``max_new_tokens[i]`` tokens for the i-th;
-        the prefix the prompts share (system prompt and tool list) is read once for all of them."""
+        the prefix the prompts share (system prompt and tool list) is read once for all of them.
+
+        ``guesses``: a reply each prompt is likely to get (another adapter's greedy reply, the pinned
+        one). One forward pass reads a guess whole and keeps the part the model would have decoded
+        itself; decoding goes on, one token at a time, only from where the model leaves it. The
+        result is the greedy reply all the same, at the cost of one pass where the guess holds."""
         stops = stop_token_ids(self.tokenizer, self.model)
+        guesses = guesses if guesses is not None else [None] * len(prompts)
         actions = []
         with torch.no_grad(), self._autocast():
             start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
-            for prompt, limit in zip(prompts, max_new_tokens, strict=True):
+            for prompt, limit, guess in zip(prompts, max_new_tokens, guesses, strict=True):
                 cache = copy.deepcopy(shared) if shared is not None else None  # decoding appends to it
-                ids = torch.tensor([list(prompt[start:])], device=self.device)  # the prompt's own rest
-                out: list[int] = []
-                for _ in range(limit):
-                    step = self.model(ids, **with_cache(cache), use_cache=True, **self._keep(1))
+                rest = list(prompt[start:])  # the prompt's own rest
+                guess = _until_stop(list(guess or [])[:limit], stops)
+                step = self.model(torch.tensor([rest + guess], device=self.device), **with_cache(cache),
+                                  use_cache=True, **self._keep(len(guess) + 1))  # fmt: skip
+                cache = cache_of(step)
+                picks = step.logits[0, -(len(guess) + 1):].float().argmax(-1).tolist()
+                held = next((j for j, token in enumerate(guess) if picks[j] != token), len(guess))
+                if held == len(guess) and guess and (guess[-1] in stops or len(guess) >= limit):
+                    actions.append(guess)
+                    continue
+                out = [*guess[:held], picks[held]]
+                if held < len(guess):
+                    cache.crop(held - len(guess))  # forget the guess from where it went wrong
+                while out[-1] not in stops and len(out) < limit:
+                    step = self.model(torch.tensor([[out[-1]]], device=self.device), **with_cache(cache),
+                                      use_cache=True, **self._keep(1))  # fmt: skip
                     cache = cache_of(step)
-                    token = int(step.logits[0, -1].float().argmax())
-                    out.append(token)
-                    if token in stops:
-                        break
-                    ids = torch.tensor([[token]], device=self.device)
+                    out.append(int(step.logits[0, -1].float().argmax()))
                 actions.append(out)
         return actions
 
@@ -418,3 +433,9 @@ def _pick(distributions: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
 
 def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
     return pad_sequence([torch.tensor(list(r), dtype=torch.float32, device=device) for r in rows], batch_first=True)
+
+
+def _until_stop(tokens: list[int], stops: set[int] | frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token."""
+    end = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return tokens if end is None else tokens[: end + 1]

@@ -14,6 +14,7 @@ import torch
 from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner.judge import RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
+from whet.learner.model import stop_token_ids
 from whet.learner.objective import build_objective, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids, prompt_text
 from whet.learner.registry import AdapterRegistry
@@ -670,3 +671,26 @@ async def test_a_training_step_runs_on_learner_threads_while_a_serving_thread_ke
     assert seen == {"training": configured, "serving": own}
     assert torch.get_num_threads() == serving.submit(torch.get_num_threads).result() == own  # restored after
     serving.shutdown()
+
+
+def test_greedy_replies_are_the_same_whatever_guess_they_start_from(tiny_model, hello_policy):
+    """A guess only saves decoding steps: right, wrong from its first token, right for a while,
+    too long or running past its stop, every reply is what plain greedy decoding gives."""
+    policy, _ = hello_policy
+    for model in (policy, tiny_model):  # one stops on its own ("Hello!"), one runs to the limit
+        trainer = new_trainer(model)
+        prompts = [encode_turn(trainer, q, "")[1] for q in ("Say hello.", "What time is it?", "Hi")]
+        limits = [12, 6, 9]
+        plain = trainer.greedy_actions(prompts, limits)
+        stops = stop_token_ids(trainer.tokenizer, trainer.model)
+        assert any(r[-1] in stops for r in plain) == (model == policy)
+        other = (plain[0][0] + 1) % len(trainer.tokenizer)
+        cases = [
+            [*plain],  # all right
+            [[other] * 5] * 3,  # wrong from the first token
+            [[*r[:2], (r[2] + 1) % len(trainer.tokenizer), *r[3:]] for r in plain],  # right for two tokens
+            [[*r, *r] for r in plain],  # longer than the reply (past its stop, past the limit)
+            [[], None, plain[2][:1]],  # nothing, and a right start
+        ]
+        for guesses in cases:
+            assert trainer.greedy_actions(prompts, limits, guesses) == plain, guesses

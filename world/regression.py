@@ -1,8 +1,9 @@
 """The pinned regression set the promotion gate replays by default (``config/regression.jsonl``),
 and the rehearsal set the learner trains beside each batch (``config/rehearsal.jsonl``).
 
-General skill, as the model must keep it whatever one user teaches: the first action of every
-general intent of the assistant world (the right tool call, with the values the request names),
+General skill, as the model must keep it whatever one user teaches: the first action of
+:data:`PINNED_CALLS` tasks of every general intent of the assistant world (the right tool call, with
+the values the request names),
 some answers read off a tool's result, and chat requests answered in words without a tool.
 A candidate adapter under which these become less likely than under the live one is rejected,
 so a user who teaches nonsense (or a flood of wrong feedback) cannot take the general skill
@@ -39,6 +40,8 @@ CHATS = (
     ("Tell me a fun fact about giraffes.", "A giraffe's tongue can be about 50 centimetres long."),
     ("Can you suggest a name for a black cat?", "How about Shadow, Midnight or Pepper?"),
 )
+PINNED_CALLS = 3  # general tasks per intent in the regression set: one "time in Lagos" is too few to see a
+# user's home leak into the requests that name their own city
 ANSWERS = 4  # general intents whose answer step is pinned too (the first ones of GENERAL)
 # small talk, facts and writing for the rehearsal set: none is in CHATS or the bench's chat probe
 REHEARSAL_CHATS = (
@@ -64,17 +67,28 @@ REHEARSAL_CALLS = 3  # general tasks per intent in the rehearsal set
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
-    """The regression set's records, deterministic per seed."""
-    yield from _records(random.Random(f"regression:{seed}"), 1, CHATS)
+    """The regression set's records, deterministic per seed; a request drawn twice is pinned once."""
+    yield from _distinct(_records(random.Random(f"regression:{seed}"), PINNED_CALLS, CHATS))
 
 
 def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The rehearsal set's records, deterministic per seed: :data:`REHEARSAL_CALLS` general tasks
     per intent (the first :data:`ANSWERS` intents with their answer step too) and
     :data:`REHEARSAL_CHATS`. A request that is also in the regression set is left out."""
-    pinned = {json.dumps(r["messages"], sort_keys=True) for r in records(seed)}
-    for record in _records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS):
-        if json.dumps(record["messages"], sort_keys=True) not in pinned:
+    pinned = {_asked(r) for r in records(seed)}
+    yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS), pinned)
+
+
+def _asked(record: dict[str, Any]) -> str:
+    return json.dumps(record["messages"], sort_keys=True)
+
+
+def _distinct(records: Iterator[dict[str, Any]], seen: set[str] | None = None) -> Iterator[dict[str, Any]]:
+    """``records`` without those whose messages are in ``seen`` or came before."""
+    seen = set() if seen is None else set(seen)
+    for record in records:
+        if (asked := _asked(record)) not in seen:
+            seen.add(asked)
             yield record
 
 
