@@ -214,7 +214,8 @@ class LoraTrainer:
         ``guesses``: a reply each prompt is likely to get (another adapter's greedy reply, the pinned
         one). One forward pass reads a guess whole and keeps the part the model would have decoded
         itself; decoding goes on, one token at a time, only from where the model leaves it. The
-        result is the greedy reply all the same, at the cost of one pass where the guess holds."""
+        result is the greedy reply all the same (in float32; under bfloat16 autocast a near tie may
+        round the other way in a pass over many tokens), at the cost of one pass where the guess holds."""
         stops = stop_token_ids(self.tokenizer, self.model)
         guesses = guesses if guesses is not None else [None] * len(prompts)
         actions = []
