@@ -400,7 +400,7 @@ class Learner:
         samples = [self._sample(trainer, j, t) for j, t in batch]
         regression = self._regression or []
         before = trainer.mean_logprobs([(p, r) for _, p, r in held])
-        reg_before, kept_before = self._regression_before(trainer, live.id if live else None, regression)
+        reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
@@ -408,7 +408,7 @@ class Learner:
         baseline.update([s.score for s in samples])
         after = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_after = trainer.mean_logprobs(regression)
-        kept_after, _ = self._kept(trainer, regression, self._regression_live[3] if self._regression_live else None)
+        kept_after, _ = self._kept(trainer, regression, live_replies)
         self._hook("after_step")
         state = {
             "version": version,
@@ -441,15 +441,17 @@ class Learner:
         return [self._rehearsal[i] for i in picked]
 
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
-                           regression: list[tuple[list[int], list[int]]]) -> tuple[list[float], list[bool]]:  # fmt: skip
-        """The regression set under the live version (loaded in ``trainer``), its log-probs and
-        :meth:`_kept`: the same for every candidate made from it, so it is replayed once per live version."""
+                           regression: list[tuple[list[int], list[int]]],
+                           ) -> tuple[list[float], list[bool], list[list[int]]]:  # fmt: skip
+        """The regression set under the live version (loaded in ``trainer``): its log-probs, and
+        :meth:`_kept` with the greedy replies (a candidate's likeliest guesses); the same for every
+        candidate made from it, so it is replayed once per live version."""
         if self._regression_live is None or self._regression_live[0] != live:
             # the version before's replies are the likeliest guesses; the pinned replies the first time
             guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
             kept, replies = self._kept(trainer, regression, guesses)
             self._regression_live = (live, trainer.mean_logprobs(regression), kept, replies)
-        return self._regression_live[1], self._regression_live[2]
+        return self._regression_live[1:]
 
     def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]],
               guesses: list[list[int]] | None) -> tuple[list[bool], list[list[int]]]:  # fmt: skip

@@ -464,6 +464,16 @@ async def test_a_learner_killed_mid_batch_trains_every_turn_exactly_once_after_r
     assert not list(root.rglob("*.partial"))
 
 
+async def judging(tmp_path: Path, store: Store, judge=None, **config) -> tuple[MemoryBus, Experience, Learner]:
+    """A started bus, the experience recorder on it and a learner that judges without training
+    (``config``: more learner settings); close the bus at the end."""
+    bus = MemoryBus()
+    await bus.start()
+    learner = Learner(learner_config(train=False, **config), store, bus, judge or RulesJudge(),
+                      AdapterRegistry(store, bus, tmp_path))  # fmt: skip
+    return bus, Experience(store, bus), learner
+
+
 async def time_at_home(store: Store, experience: Experience, timezone: str, result: str, answer: str) -> tuple:
     """(session, call turn, answer turn) of one request: "What time is it at home?", a call of now(timezone)
     whose tool returned ``result``, then ``answer``; the answer's turn is left open for the user's reply."""
@@ -482,10 +492,7 @@ async def time_at_home(store: Store, experience: Experience, timezone: str, resu
 
 @pytest.mark.anyio
 async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_step_and_a_lesson(tmp_path, store):
-    bus = MemoryBus()
-    await bus.start()
-    experience = Experience(store, bus)
-    learner = Learner(learner_config(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
+    bus, experience, learner = await judging(tmp_path, store)
     session, step0, step1 = await time_at_home(store, experience, "Europe/Paris", "10:00", "It is 10:00.")
     async with bus.subscribe(LESSON_ADDED) as events:
         await learner.catch_up()  # judges the tool step: ran fine, so neutral for now
@@ -505,11 +512,7 @@ async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_st
 
 @pytest.mark.anyio
 async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(tmp_path, store):
-    bus = MemoryBus()
-    await bus.start()
-    experience = Experience(store, bus)
-    learner = Learner(learner_config(train=False, lessons=False), store, bus, RulesJudge(),
-                      AdapterRegistry(store, bus, tmp_path))  # fmt: skip
+    bus, experience, learner = await judging(tmp_path, store, lessons=False)
     error = "error: Unknown timezone 'Espresso'."
     session, step0, step1 = await time_at_home(store, experience, "Espresso", error, "Sorry.")
     await learner.catch_up()
@@ -601,10 +604,7 @@ async def closed_answer(experience: Experience, store: Store, answer: str, reply
 
 @pytest.mark.anyio
 async def test_a_turn_that_cannot_be_judged_is_marked_and_the_catch_up_goes_on(tmp_path, store):
-    bus = MemoryBus()
-    await bus.start()
-    experience = Experience(store, bus)
-    learner = Learner(learner_config(train=False), store, bus, _FailsOnBoom(), AdapterRegistry(store, bus, tmp_path))
+    bus, experience, learner = await judging(tmp_path, store, _FailsOnBoom())
     bad = await closed_answer(experience, store, "boom", "thanks")
     good = await closed_answer(experience, store, "It is 10:00.", "thanks")
     await learner.catch_up()
@@ -616,10 +616,7 @@ async def test_a_turn_that_cannot_be_judged_is_marked_and_the_catch_up_goes_on(t
 
 
 async def exercise_nul_correction(tmp_path, store: Store) -> None:
-    bus = MemoryBus()
-    await bus.start()
-    experience = Experience(store, bus)
-    learner = Learner(learner_config(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path))
+    bus, experience, learner = await judging(tmp_path, store)
     turn_id = await closed_answer(experience, store, "It is 10:00 in Paris.", "No, I meant Lis\x00bon time")
     await learner.catch_up()
     verdict = await store.get_judgment(turn_id)
