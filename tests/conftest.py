@@ -9,6 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+# Tests never reach a model hub: a model id that is not local fails at once, where the hub client
+# would retry an unreachable network for about a minute (a learner given the scripted backend's
+# model id "scripted" tried just that in every test whose turns were judged).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 POSTGRES_URL = os.environ.get("WHET_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 MQTT_HOST, MQTT_PORT = "127.0.0.1", 1883
 

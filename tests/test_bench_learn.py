@@ -110,6 +110,11 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
                             {"interactions": 6, "success": 1.0}]  # fmt: skip
     assert (result.general_before, result.general_after) == (0.0, 1.0)
     assert (result.chat_before, result.chat_after) == (1.0, 1.0)  # answered in words, no tool call
+    # each checkpoint says what was done instead, for every task it missed
+    assert result.missed[0] == {"interactions": 0, "missed": [{"request": "h0", "calls": [], "answer": "wrong"},
+                                                              {"request": "h1", "calls": [], "answer": "wrong"}]}
+    assert [m["missed"] for m in result.missed[1:]] == [[], []]
+    assert result.general_missed == result.chat_missed == []
     assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 8, "global-0001")
     assert sum(steps) == plan.units_per_arm("memory") == 6 + 2 * 3 + 2 * 2 + 2 * 2
     trained = [s for s in server.sessions.values() if len(s) >= 2]
@@ -149,7 +154,10 @@ def test_the_chat_probe_counts_an_answer_that_called_a_tool_as_a_miss():
     server = FakeServer(needed=0)
     original = server.chat
     server.chat = lambda session, messages, **params: original(session, messages, chat="tool", **params)
-    assert chat_rate(server, ["Hi!", "Tell me a joke."], lambda n: None) == 0.0
+    rate, missed = chat_rate(server, ["Hi!", "Tell me a joke."], lambda n: None)
+    assert rate == 0.0
+    assert missed == [{"request": "Hi!", "calls": ["a call"], "answer": "right"},
+                      {"request": "Tell me a joke.", "calls": ["a call"], "answer": "right"}]
 
 
 def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):

@@ -189,6 +189,15 @@ class ArmResult:
     lessons: int = 0
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
+    # what was missed: the held-out tasks at each checkpoint, the general tasks and the chat probe at the end
+    missed: list[dict[str, Any]] = field(default_factory=list)  # [{"interactions": n, "missed": [...]}]
+    general_missed: list[dict[str, Any]] = field(default_factory=list)
+    chat_missed: list[dict[str, Any]] = field(default_factory=list)
+
+    def measure(self, interactions: int, score: tuple[float, list[dict[str, Any]]]) -> None:
+        """One checkpoint: its held-out success on the curve, its misses beside it."""
+        self.curve.append({"interactions": interactions, "success": score[0]})
+        self.missed.append({"interactions": interactions, "missed": score[1]})
 
     @property
     def final_success(self) -> float:
@@ -207,6 +216,7 @@ class ArmResult:
             "lessons": self.lessons,
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
+            "missed": {"heldout": self.missed, "general": self.general_missed, "chat": self.chat_missed},
         }
 
 
@@ -232,19 +242,19 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     learns = ARM_LEARNING[name][0]
     checkpoints = set(plan.checkpoints())
     wait_idle(client, settle_s, plan.idle_timeout_s)
-    result.general_before = success_rate(client, tasks.general, advance)
-    result.chat_before = chat_rate(client, tasks.chat, advance)
-    result.curve.append({"interactions": 0, "success": success_rate(client, tasks.heldout, advance)})
+    result.general_before, _ = success_rate(client, tasks.general, advance)
+    result.chat_before, _ = chat_rate(client, tasks.chat, advance)
+    result.measure(0, success_rate(client, tasks.heldout, advance))
     for i, task in enumerate(tasks.training[: plan.interactions] if learns else [], start=1):
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
         advance(1)
         if i in checkpoints:
             wait_idle(client, settle_s, plan.idle_timeout_s)
-            result.curve.append({"interactions": i, "success": success_rate(client, tasks.heldout, advance)})
+            result.measure(i, success_rate(client, tasks.heldout, advance))
     if not learns:
-        result.curve.append({"interactions": plan.interactions, "success": success_rate(client, tasks.heldout, advance)})
-    result.general_after = success_rate(client, tasks.general, advance)
-    result.chat_after = chat_rate(client, tasks.chat, advance)
+        result.measure(plan.interactions, success_rate(client, tasks.heldout, advance))
+    result.general_after, result.general_missed = success_rate(client, tasks.general, advance)
+    result.chat_after, result.chat_missed = chat_rate(client, tasks.chat, advance)
     health = client.health()
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
@@ -270,42 +280,54 @@ def interact(client: ArmClient, task: Task, user: User, *, seed: int) -> None:
             return
 
 
-def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> float:
-    """Share of ``tasks`` done right: each in a fresh session, greedy, sent with ``store: false`` so
-    the server never learns from it (a failed tool call would otherwise be judged at once, and its
-    verdict trained and kept as a lesson: evaluation leaking into learning)."""
+def success_rate(client: ArmClient, tasks: Sequence[Task], advance: Callable[[int], None]) -> tuple[float, list[dict[str, Any]]]:
+    """Share of ``tasks`` done right, and what was done instead for each one missed (the request, the
+    tool calls, the answer): each in a fresh session, greedy, sent with ``store: false`` so the server
+    never learns from it (a failed tool call would otherwise be judged at once, and its verdict
+    trained and kept as a lesson: evaluation leaking into learning)."""
 
-    def done(task: Task) -> bool:
+    def done(task: Task) -> dict[str, Any] | None:
         session = f"eval-{uuid.uuid4().hex[:12]}"
         answer = client.chat(session, [{"role": "user", "content": task.text}], temperature=0, store=False)
-        return bool(task.check(client.tool_calls(session), answer))
+        calls = client.tool_calls(session)
+        return None if task.check(calls, answer) else _missed(task.text, calls, answer)
 
-    return _count(tasks, done, advance) / len(tasks)
+    return _count(tasks, done, advance)
 
 
-def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int], None]) -> float:
-    """Share of ``requests`` (none needs a tool) answered in words without calling a tool."""
+def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int], None]) -> tuple[float, list[dict[str, Any]]]:
+    """Share of ``requests`` (none needs a tool) answered in words without calling a tool, and the misses."""
 
-    def done(request: str) -> bool:
+    def done(request: str) -> dict[str, Any] | None:
         session = f"eval-{uuid.uuid4().hex[:12]}"
         answer = client.chat(session, [{"role": "user", "content": request}], temperature=0, store=False)
-        return bool(answer.strip()) and not client.tool_calls(session)
+        calls = client.tool_calls(session)
+        return None if answer.strip() and not calls else _missed(request, calls, answer)
 
-    return _count(requests, done, advance) / len(requests) if requests else 1.0
+    return _count(requests, done, advance) if requests else (1.0, [])
 
 
-def _count(items: Sequence[Any], done: Callable[[Any], bool], advance: Callable[[int], None]) -> int:
-    """How many of ``items`` are ``done``, with up to :data:`EVAL_CONCURRENCY` evaluations in flight:
-    they are independent sessions at temperature 0, and the server decodes concurrent requests
-    together, so an evaluation costs a fraction of its sequential time."""
+def _missed(request: str, calls: Sequence[Any], answer: str, width: int = 240) -> dict[str, Any]:
+    """One missed evaluation as the report keeps it: what was asked, what the agent called, what it said."""
+    shown = [{"name": c.name, "arguments": dict(c.arguments)} if hasattr(c, "arguments") else str(c) for c in calls]
+    return {"request": request, "calls": shown, "answer": answer[:width]}
 
-    def one(item: Any) -> bool:
-        ok = done(item)
+
+def _count(items: Sequence[Any], done: Callable[[Any], dict[str, Any] | None],
+           advance: Callable[[int], None]) -> tuple[float, list[dict[str, Any]]]:  # fmt: skip
+    """The share of ``items`` that ``done`` passes (it returns None, or what was missed), with up to
+    :data:`EVAL_CONCURRENCY` evaluations in flight: they are independent sessions at temperature 0,
+    and the server decodes concurrent requests together, so an evaluation costs a fraction of its
+    sequential time."""
+
+    def one(item: Any) -> dict[str, Any] | None:
+        missed = done(item)
         advance(1)
-        return ok
+        return missed
 
     with ThreadPoolExecutor(EVAL_CONCURRENCY) as pool:
-        return sum(pool.map(one, items))
+        misses = [m for m in pool.map(one, items) if m is not None]
+    return (len(items) - len(misses)) / len(items), misses
 
 
 def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S) -> None:
