@@ -58,7 +58,7 @@ from whet.learner.judge import (
     RulesJudge,
     Verdict,
 )
-from whet.learner.lessons import lesson_for
+from whet.learner.lessons import ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids
@@ -314,6 +314,8 @@ class Learner:
                 await self._save(turn, Verdict(-1, verdict.hint, why, "credit"))
                 continue
             if own is not None and (own.score != 0 or own.hint or own.trained_in):
+                continue
+            if verdict.score > 0 and ignores_correction(turn):  # the user was pleased by an answer this call did not give
                 continue
             why = f"the request's outcome (turn {final.id}): {verdict.reason}"
             await self._save(turn, Verdict(verdict.score, verdict.hint, why, "credit"))

@@ -8,11 +8,12 @@ lessons to new requests by similarity.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_requery
-from whet.learner.prompt import canonical_arguments, content_text
+from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
 from whet.memory.tables import Turn
 
 MAX_CHARS = 300
@@ -28,7 +29,8 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     asked = asked_text(request[0].prompt_messages)
     if verdict.hint and not verdict.hint.startswith(CONTENT_FREE_HINTS):  # "wrong" alone: nothing to reuse
         return lesson_text(asked, hint=verdict.hint), "hint"
-    calls = [call["function"] for turn in request for call in turn.tool_calls if call.get("id") not in _failed(turn)]
+    calls = [call["function"] for turn in request if not ignores_correction(turn)
+             for call in turn.tool_calls if call.get("id") not in _failed(turn)]  # fmt: skip
     if verdict.score > 0 and calls:
         return lesson_text(asked, calls=calls), "success"
     return None
@@ -42,6 +44,46 @@ def _failed(turn: Turn) -> set[str]:
     results = (turn.next_state or {}).get("results") or []
     return {r.get("tool_call_id") for r in results
             if content_text(r.get("content")).strip().lower().startswith("error:")}  # fmt: skip
+
+
+def ignores_correction(turn: Turn) -> bool:
+    """Whether ``turn`` answered a correction that named what was meant with tool calls that carry
+    none of it: "No, I meant Tokyo time, Sam lives in Tokyo." answered with ``now(Tbilisi)``.
+
+    The user may still move on (the answer said "Tokyo" whatever the tool returned), and the
+    request ends well; the call was not what made it so, and neither a lesson nor training may say
+    it was right. What the correction named is its words that the request did not have; a call
+    heeds it when one of its argument values holds one of them. Corrections that name nothing
+    ("That's wrong.") leave nothing to check."""
+    if not turn.tool_calls:
+        return False
+    asks = [content_text(m.get("content")) for m in turn.prompt_messages if m.get("role") == "user"]
+    if len(asks) < 2:
+        return False
+    hint = correction_hint(asks[-1])
+    if hint is None or hint.startswith(CONTENT_FREE_HINTS):
+        return False
+    named = _words(asks[-1]) - _words(asked_text(turn.prompt_messages))
+    arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
+    carried = {w for a in arguments if isinstance(a, dict) for value in _values(a) for w in _words(value)}
+    return bool(named) and not named & carried
+
+
+def _words(text: str) -> set[str]:
+    """The words of ``text`` that can name something: numbers, and words of three letters or more."""
+    return {w for w in re.findall(r"\w+", text.casefold()) if len(w) >= 3 or w.isdigit()}
+
+
+def _values(arguments: Any) -> Iterator[str]:
+    """Every value in a call's arguments (not the keys), as text."""
+    if isinstance(arguments, Mapping):
+        for value in arguments.values():
+            yield from _values(value)
+    elif isinstance(arguments, list):
+        for value in arguments:
+            yield from _values(value)
+    elif arguments is not None:
+        yield str(arguments)
 
 
 def asked_text(messages: Sequence[dict[str, Any]]) -> str:

@@ -478,6 +478,42 @@ def test_a_lesson_is_keyed_by_what_was_asked_not_by_the_correction_and_a_reask_t
                                               next_state=None)]) is None  # fmt: skip
 
 
+def test_a_call_that_carries_nothing_the_correction_named_is_never_a_success_lesson():
+    from types import SimpleNamespace
+
+    from whet.learner.judge import Verdict
+    from whet.learner.lessons import ignores_correction, lesson_for
+
+    corrected = [{"role": "user", "content": "Can I call Sam now, what time is it there?"},
+                 {"role": "assistant", "content": "It is 10:31 in Sydney."},
+                 {"role": "user", "content": "No, I meant Tokyo time, Sam lives in Tokyo."}]  # fmt: skip
+
+    def retry(arguments, messages=corrected):
+        call = {"id": "c1", "function": {"name": "now", "arguments": arguments}}
+        return SimpleNamespace(prompt_messages=messages, tool_calls=[call], next_state_kind=None, next_state=None)
+
+    moved_on = Verdict(1, None, "the user moved on", "rules")  # the answer said "Tokyo"; the call asked for Tbilisi
+    assert ignores_correction(retry('{"timezone": "Tbilisi"}'))
+    assert lesson_for(moved_on, [retry('{"timezone": "Tbilisi"}')]) is None
+    for heeded in ('{"timezone": "Tokyo"}', '{"timezone": "Asia/Tokyo"}'):
+        assert not ignores_correction(retry(heeded))
+        assert "Tokyo" in lesson_for(moved_on, [retry(heeded)])[0]
+    # what the request already said is not what the correction named; a number can be named
+    listed = [{"role": "user", "content": "Remind me to water the plants."}, {"role": "assistant", "content": "Done."},
+              {"role": "user", "content": "No, put it on my errands list."}]  # fmt: skip
+    note = '{{"text": "water the plants", "list_name": "{}", "kind": "todo"}}'
+    assert ignores_correction(retry(note.format("todo"), listed))
+    assert not ignores_correction(retry(note.format("errands"), listed))
+    km = [{"role": "user", "content": "How far is 15 km?"}, {"role": "user", "content": "No, I meant 12 km."}]
+    assert not ignores_correction(retry('{"value": 12, "from_unit": "km"}', km))
+    # a first try, a correction that names nothing, and a reply that is no correction are not judged here
+    assert not ignores_correction(retry('{"timezone": "Tbilisi"}', corrected[:1]))
+    wrong = [*corrected[:2], {"role": "user", "content": "That's wrong."}]
+    assert not ignores_correction(retry('{"timezone": "Tbilisi"}', wrong))
+    thanks = [*corrected[:2], {"role": "user", "content": "Thanks! And the time in Paris?"}]
+    assert not ignores_correction(retry('{"timezone": "Paris"}', thanks))
+
+
 def test_a_success_lesson_leaves_out_the_calls_that_failed():
     from types import SimpleNamespace
 

@@ -511,6 +511,30 @@ async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_st
 
 
 @pytest.mark.anyio
+async def test_a_call_that_ignored_the_correction_gets_no_credit_when_the_user_moves_on(tmp_path, store):
+    """The retry after "No, I meant Tokyo time" called now(Tbilisi), then said "Tokyo": the user moved
+    on, and the answer is credited, but not the call (nor a lesson saying it was right)."""
+    bus, experience, learner = await judging(tmp_path, store)
+    session = await store.create_session("alice")
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at Sam's place?"},
+             {"role": "assistant", "content": "It is 10:31 in Sydney."},
+             {"role": "user", "content": "No, I meant Tokyo time, Sam lives in Tokyo."}]  # fmt: skip
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Tbilisi"}'}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
+    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
+                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "03:32"}]})
+    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 03:32 in Tokyo.",
+                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Alright."}]})
+    await learner.catch_up()
+    assert (await store.get_judgment(step1.id)).score == 1
+    assert (await store.get_judgment(step0.id)).score == 0  # its tool ran; the user's reply does not reach it
+    assert await store.list_lessons("alice") == []
+    await bus.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(tmp_path, store):
     bus, experience, learner = await judging(tmp_path, store, lessons=False)
     error = "error: Unknown timezone 'Espresso'."
