@@ -114,7 +114,9 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     assert result.missed[0] == {"interactions": 0, "missed": [{"request": "h0", "calls": [], "answer": "wrong"},
                                                               {"request": "h1", "calls": [], "answer": "wrong"}]}
     assert [m["missed"] for m in result.missed[1:]] == [[], []]
-    assert result.general_missed == result.chat_missed == []
+    assert result.general_missed == {"before": [{"request": "g0", "calls": [], "answer": "wrong"},
+                                                {"request": "g1", "calls": [], "answer": "wrong"}], "after": []}
+    assert result.chat_missed == {"before": [], "after": []}
     assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 8, "global-0001")
     assert sum(steps) == plan.units_per_arm("memory") == 6 + 2 * 3 + 2 * 2 + 2 * 2
     trained = [s for s in server.sessions.values() if len(s) >= 2]

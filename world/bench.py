@@ -189,10 +189,11 @@ class ArmResult:
     lessons: int = 0
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
-    # what was missed: the held-out tasks at each checkpoint, the general tasks and the chat probe at the end
+    # what was missed: the held-out tasks at each checkpoint; the general tasks and the chat probe
+    # before and after (what learning broke is what is missed after and was not before)
     missed: list[dict[str, Any]] = field(default_factory=list)  # [{"interactions": n, "missed": [...]}]
-    general_missed: list[dict[str, Any]] = field(default_factory=list)
-    chat_missed: list[dict[str, Any]] = field(default_factory=list)
+    general_missed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # {"before": [...], "after": [...]}
+    chat_missed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def measure(self, interactions: int, score: tuple[float, list[dict[str, Any]]]) -> None:
         """One checkpoint: its held-out success on the curve, its misses beside it."""
@@ -242,8 +243,8 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     learns = ARM_LEARNING[name][0]
     checkpoints = set(plan.checkpoints())
     wait_idle(client, settle_s, plan.idle_timeout_s)
-    result.general_before, _ = success_rate(client, tasks.general, advance)
-    result.chat_before, _ = chat_rate(client, tasks.chat, advance)
+    result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, advance)
+    result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, advance)
     result.measure(0, success_rate(client, tasks.heldout, advance))
     for i, task in enumerate(tasks.training[: plan.interactions] if learns else [], start=1):
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
@@ -253,8 +254,8 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
             result.measure(i, success_rate(client, tasks.heldout, advance))
     if not learns:
         result.measure(plan.interactions, success_rate(client, tasks.heldout, advance))
-    result.general_after, result.general_missed = success_rate(client, tasks.general, advance)
-    result.chat_after, result.chat_missed = chat_rate(client, tasks.chat, advance)
+    result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, advance)
+    result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, advance)
     health = client.health()
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
