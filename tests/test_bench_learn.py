@@ -167,7 +167,8 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
     curve = [{"interactions": 0, "success": 0.5}, {"interactions": 4, "success": 0.75}, {"interactions": 6, "success": 1.0}]
     results = [ArmResult("static", curve[:1] * 3, 0.5, 0.5), ArmResult("memory_lora", curve, 0.5, 0.5, 1.0, 0.75, 2, 5,
                                                                         "global-0002")]  # fmt: skip
-    report = build_report(plan, "default", results, wall_s=12.3)
+    report = build_report(plan, "default", results, wall_s=12.3, heldout_distinct=2)
+    assert report["heldout_distinct"] == 2
     assert {"profile", "seed", "interactions", "every", "base_success", "general_before", "general_after", "command",
             "machine", "wall_s", "arms"} <= set(report)  # fmt: skip
     assert report["base_success"] == 0.5 and report["profile"] == "default"

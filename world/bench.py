@@ -547,7 +547,8 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
-    report = build_report(plan, profile.name, results, time.perf_counter() - started)
+    report = build_report(plan, profile.name, results, time.perf_counter() - started,
+                          heldout_distinct=len({task.text for task in tasks.heldout}))
     plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, plan.plot_path)
     _print_table(report, plan)
@@ -571,9 +572,12 @@ def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path
     return str(path.resolve()) if path.exists() else source
 
 
-def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s: float) -> dict[str, Any]:
+def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s: float, *,
+                 heldout_distinct: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The JSON the bench writes. Top-level general skill is the arm that changes most
-    (``memory_lora`` when it ran); ``base_success`` is the shared start, averaged over arms."""
+    (``memory_lora`` when it ran); ``base_success`` is the shared start, averaged over arms.
+    ``heldout_distinct``: how many different requests the held-out tasks are (a request drawn
+    twice is answered the same way twice at temperature 0, so it weighs twice)."""
     arms = {r.name: r.to_json() for r in results}
     headline = next((r for r in results if r.name == "memory_lora"), results[-1])
     return {
@@ -582,6 +586,7 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "interactions": plan.interactions,
         "every": plan.every,
         "heldout": plan.heldout,
+        "heldout_distinct": heldout_distinct,
         "general": plan.general,
         "model": plan.model,
         "base_success": fmean(r.curve[0]["success"] for r in results),
@@ -634,7 +639,9 @@ def _progress(console: Console) -> Progress:
 
 
 def _print_table(report: dict[str, Any], plan: Plan) -> None:
-    table = Table(title=f"held-out success, profile {report['profile']}, seed {report['seed']}")
+    distinct = report.get("heldout_distinct")
+    tasks = f"{report['heldout']} tasks" + (f", {distinct} distinct requests" if distinct is not None else "")
+    table = Table(title=f"held-out success ({tasks}), profile {report['profile']}, seed {report['seed']}")
     for column in ("arm", "base", "final", "interactions\nto 0.9", "general", "chat\n(no tool)", "adapters\npromoted",
                    "lessons"):
         table.add_column(column, no_wrap=True)
