@@ -35,6 +35,7 @@ from whet.world.bench import (
     run_arm,
     served,
 )
+from whet.world.tasks import ToolUse
 
 
 def make_plan(tmp_path: Path, **overrides: Any) -> Plan:
@@ -91,7 +92,7 @@ class FakeServer:
         return "right" if self.replies >= self.needed else "wrong"
 
     def tool_calls(self, session: str) -> list[Any]:
-        return ["a call"] if self.sessions[session][0][1].get("chat") == "tool" else []
+        return [ToolUse("now", {"timezone": "Lisbon"})] if self.sessions[session][0][1].get("chat") == "tool" else []
 
     def health(self) -> dict[str, Any]:
         busy, self.busy = self.busy, False
@@ -158,8 +159,9 @@ def test_the_chat_probe_counts_an_answer_that_called_a_tool_as_a_miss():
     server.chat = lambda session, messages, **params: original(session, messages, chat="tool", **params)
     rate, missed = chat_rate(server, ["Hi!", "Tell me a joke."], lambda n: None)
     assert rate == 0.0
-    assert missed == [{"request": "Hi!", "calls": ["a call"], "answer": "right"},
-                      {"request": "Tell me a joke.", "calls": ["a call"], "answer": "right"}]
+    call = {"name": "now", "arguments": {"timezone": "Lisbon"}}
+    assert missed == [{"request": "Hi!", "calls": [call], "answer": "right"},
+                      {"request": "Tell me a joke.", "calls": [call], "answer": "right"}]
 
 
 def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):

@@ -305,18 +305,18 @@ def chat_rate(client: ArmClient, requests: Sequence[str], advance: Callable[[int
         calls = client.tool_calls(session)
         return None if answer.strip() and not calls else _missed(request, calls, answer)
 
-    return _count(requests, done, advance) if requests else (1.0, [])
+    return _count(requests, done, advance)
 
 
 def _missed(request: str, calls: Sequence[Any], answer: str, width: int = 240) -> dict[str, Any]:
     """One missed evaluation as the report keeps it: what was asked, what the agent called, what it said."""
-    shown = [{"name": c.name, "arguments": dict(c.arguments)} if hasattr(c, "arguments") else str(c) for c in calls]
+    shown = [{"name": c.name, "arguments": dict(c.arguments)} for c in calls]
     return {"request": request, "calls": shown, "answer": answer[:width]}
 
 
 def _count(items: Sequence[Any], done: Callable[[Any], dict[str, Any] | None],
            advance: Callable[[int], None]) -> tuple[float, list[dict[str, Any]]]:  # fmt: skip
-    """The share of ``items`` that ``done`` passes (it returns None, or what was missed), with up to
+    """The share of ``items`` that ``done`` passes (it returns None, or what was missed; none: all), with up to
     :data:`EVAL_CONCURRENCY` evaluations in flight: they are independent sessions at temperature 0,
     and the server decodes concurrent requests together, so an evaluation costs a fraction of its
     sequential time."""
@@ -326,6 +326,8 @@ def _count(items: Sequence[Any], done: Callable[[Any], dict[str, Any] | None],
         advance(1)
         return missed
 
+    if not items:
+        return 1.0, []
     with ThreadPoolExecutor(EVAL_CONCURRENCY) as pool:
         misses = [m for m in pool.map(one, items) if m is not None]
     return (len(items) - len(misses)) / len(items), misses
