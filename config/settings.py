@@ -317,6 +317,8 @@ class GateConfig(Section):
     # recent turns falls below its predecessor's by more than rollback_margin
     rollback_window: int = Field(16, ge=1)
     rollback_margin: float = Field(0.25, ge=0.0)
+    # ...and by more than this many standard errors of the two windows' difference (0: the margin alone)
+    rollback_z: float = Field(2.0, ge=0.0)
 
 
 class RehearsalConfig(Section):
@@ -324,7 +326,7 @@ class RehearsalConfig(Section):
     # step also learns, so one user's lessons do not cost everyone's general skill; "bundled" = the
     # shipped set (config/rehearsal.jsonl, general tool use and small talk); null = none
     set: str | None = "bundled"
-    per_step: int = Field(8, ge=0)  # items drawn into every step
+    per_step: int = Field(16, ge=0)  # items drawn into every step
     weight: float = Field(1.0, ge=0.0)  # their token-mean log-likelihood loss, times this
 
 

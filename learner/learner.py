@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import shutil
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, pvariance
 from typing import Any
 
 import anyio
@@ -534,7 +535,12 @@ class Learner:
     # -- rollback -------------------------------------------------------------
 
     async def _watch_live(self, user_id: str) -> None:
-        """Roll back a live version whose rolling judged score fell below its predecessor's."""
+        """Roll back a live version whose rolling judged score fell below its predecessor's by more
+        than the margin and by more than chance explains: ``rollback_z`` standard errors of the
+        difference of the two windows' means. Verdicts are +1 or -1, so two windows of 16 turns (of
+        different requests) differ by ~0.35 by chance alone (one standard error); a margin of 0.25 by
+        itself rolled back both steps run O's weights arm promoted (+0.38 then +0.00, +0.25 then
+        -0.25), neither beyond two standard errors (~0.68)."""
         owner = user_id if self.config.scope == "user" else None
         live = await self.store.live_adapter(self.config.scope, owner)
         if live is None:
@@ -544,7 +550,9 @@ class Learner:
         before = await self.store.recent_scores(live.parent, window)
         if len(now) < window or len(before) < window:
             return
-        if fmean(now) < fmean(before) - self.config.gate.rollback_margin:
+        gate = self.config.gate
+        noise = gate.rollback_z * math.sqrt((pvariance(now) + pvariance(before)) / window)
+        if fmean(now) < fmean(before) - max(gate.rollback_margin, noise):
             reason = f"rolling judged score {fmean(now):+.2f} fell below its predecessor's {fmean(before):+.2f}"
             await self.registry.rollback(self.config.scope, owner, reason)
             self.progress.rolled_back.append(live.id)
@@ -559,15 +567,20 @@ def _reads_tool_results(turn: Turn) -> bool:
 
 def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str) -> list[int]:
     """Which rehearsal items (each given as the tools it calls) a step whose batch called ``tools``
-    rehearses: ``n`` of them, half (where there are such) calls of those same tools, what a batch
-    that teaches one user's value for a tool is most likely to disturb (the same tool called
-    with the value a request names), the rest drawn from all. Seeded (by the version's name), so
-    a step redone after a crash draws the same."""
+    rehearses: ``n`` of them. A third (where there are such) are calls of those same tools, what a
+    batch that teaches one user's value for a tool is most likely to disturb (the same tool called
+    with the value a request names); a third are small talk (no tool), what a batch made only of
+    calls pushes towards a call (run M's gate rejected 8 of 10 weights-arm steps for a tool called
+    on "Hello!"); the rest are drawn from all. Seeded (by the version's name), so a step redone
+    after a crash draws the same."""
     rng = random.Random(seed)
     n = min(n, len(items))
     same = [i for i, called in enumerate(items) if called & tools]
-    picked = rng.sample(same, min(len(same), n // 2))
-    rest = [i for i in range(len(items)) if i not in picked]
+    talk = [i for i, called in enumerate(items) if not called]
+    picked = rng.sample(same, min(len(same), n // 3))
+    picked += rng.sample(talk, min(len(talk), n // 3))
+    taken = set(picked)
+    rest = [i for i in range(len(items)) if i not in taken]
     return picked + rng.sample(rest, n - len(picked))
 
 

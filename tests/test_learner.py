@@ -126,10 +126,14 @@ def test_rehearsal_small_talk_is_the_base_models_own_reply_and_calls_keep_their_
 def test_a_step_rehearses_calls_of_the_tools_its_batch_called():
     from whet.learner.learner import rehearsal_draw
 
-    items = [{"now"}, {"calculate"}, set(), {"now"}, {"convert"}, set(), {"now"}, {"add_note"}, set(), set()]
+    items = [{"now"}, {"calculate"}, set(), {"now"}, {"convert"}, set(), {"now"}, {"add_note"}, set(), set(),
+             {"calculate"}, {"convert"}]
     picked = rehearsal_draw(items, 6, {"now"}, "global-0002")
     assert len(picked) == len(set(picked)) == 6
-    assert sum("now" in items[i] for i in picked) >= 3  # half of the draw, where there are that many
+    assert sum("now" in items[i] for i in picked) >= 2  # a third of the draw: calls of the batch's tools
+    assert sum(not items[i] for i in picked) >= 2  # and a third small talk
+    only_calls = [{"now"}, {"now"}, {"convert"}, {"calculate"}]  # a set with no small talk draws what it has
+    assert sorted(rehearsal_draw(only_calls, 4, {"now"}, "v")) == [0, 1, 2, 3]
     assert picked == rehearsal_draw(items, 6, {"now"}, "global-0002")  # a redone step draws the same
     assert len(rehearsal_draw(items, 20, set(), "v")) == len(items)
 
@@ -585,6 +589,35 @@ async def test_a_live_adapter_whose_judged_score_falls_below_its_predecessors_is
     assert retired.status == "retired" and "fell below" in retired.metrics["rolled_back"]
     assert learner.progress.rolled_back == ["global-0002"]
     await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_drop_in_judged_score_that_chance_explains_rolls_nothing_back(tmp_path, store):
+    from whet.memory.tables import Adapter
+
+    config = learner_config(train=False, gate={"rollback_window": 16, "rollback_margin": 0.25})
+    learner = Learner(config, store, MemoryBus(), RulesJudge(), AdapterRegistry(store, MemoryBus(), tmp_path))
+    for version, parent in (("global-0001", None), ("global-0002", "global-0001")):
+        await store.add_adapter(Adapter(id=version, path=str(tmp_path / version), parent=parent))
+        await store.promote_adapter(version)
+    session = await store.create_session("alice")
+
+    async def rated(version: str, scores: list[float]) -> None:
+        for i, score in enumerate(scores):
+            turn = await store.add_turn(TurnCreate(session_id=session.id, user_id="alice", request_id=f"{version}-{i}",
+                                                   step=0, model="tiny", policy_version=version))  # fmt: skip
+            await Experience(store, MemoryBus()).feedback(turn, score, None)
+            await learner.judge_turn(turn.id)
+
+    # +0.25 then -0.25 over 16 verdicts each: 0.5 lower, beyond the margin, within two standard errors (0.68)
+    await rated("global-0001", [1.0] * 10 + [-1.0] * 6)
+    await rated("global-0002", [1.0] * 6 + [-1.0] * 10)
+    assert (await store.live_adapter("global")).id == "global-0002"
+    assert learner.progress.rolled_back == []
+    # a further run of failures takes it to -0.75: a drop of 1.0, beyond both
+    await rated("global-0002", [-1.0] * 4)
+    assert (await store.live_adapter("global")).id == "global-0001"
+    assert learner.progress.rolled_back == ["global-0002"]
 
 
 @pytest.mark.anyio

@@ -62,8 +62,17 @@ REHEARSAL_CHATS = (
     ("Tell me a joke.", "Why did the scarecrow win an award? Because he was outstanding in his field."),
     ("What's a good way to start the day?", "A glass of water, a few minutes of stretching and a short plan for the day."),
     ("Why do cats purr?", "Cats purr when they are content, and sometimes to soothe themselves."),
+    ("Good night!", "Good night! Sleep well."),
+    ("Nice to meet you.", "Nice to meet you too! What can I do for you?"),
+    ("What can you do?", "I can check the time anywhere, do sums, convert units, work with dates and keep your notes."),
+    ("Who wrote Pride and Prejudice?", "Jane Austen wrote Pride and Prejudice."),
+    ("What is the biggest ocean?", "The Pacific is the biggest ocean."),
+    ("Write a short poem about the stars.", "Small lights in the dark,\nold fires far beyond our reach,\nthey still find our eyes."),
+    ("How do I boil an egg?", "Put it in boiling water for about 7 minutes, then cool it in cold water."),
+    ("Give me a word that rhymes with moon.", "Spoon."),
 )
-REHEARSAL_CALLS = 3  # general tasks per intent in the rehearsal set
+REHEARSAL_CALLS = 6  # general tasks per intent in the rehearsal set: a step draws a third of its items from the
+# tools its batch called, and three per intent left most steps one contrast per tool
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
