@@ -539,8 +539,8 @@ class Learner:
         than the margin and by more than chance explains: ``rollback_z`` standard errors of the
         difference of the two windows' means. Verdicts are +1 or -1, so two windows of 16 turns (of
         different requests) differ by ~0.35 by chance alone (one standard error); a margin of 0.25 by
-        itself rolled back both steps run O's weights arm promoted (+0.38 then +0.00, +0.25 then
-        -0.25), neither beyond two standard errors (~0.68)."""
+        itself rolled back four of the seven steps run O's weights arms promoted (+0.38 then +0.00,
+        +0.38 then -0.25, +0.25 then -0.25 twice), none beyond two standard errors (~0.68)."""
         owner = user_id if self.config.scope == "user" else None
         live = await self.store.live_adapter(self.config.scope, owner)
         if live is None:
