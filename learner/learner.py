@@ -551,9 +551,10 @@ class Learner:
         if len(now) < window or len(before) < window:
             return
         gate = self.config.gate
-        noise = gate.rollback_z * math.sqrt((pvariance(now) + pvariance(before)) / window)
-        if fmean(now) < fmean(before) - max(gate.rollback_margin, noise):
-            reason = f"rolling judged score {fmean(now):+.2f} fell below its predecessor's {fmean(before):+.2f}"
+        mean_now, mean_before = fmean(now), fmean(before)
+        noise = gate.rollback_z * math.sqrt((pvariance(now, mean_now) + pvariance(before, mean_before)) / window)
+        if mean_now < mean_before - max(gate.rollback_margin, noise):
+            reason = f"rolling judged score {mean_now:+.2f} fell below its predecessor's {mean_before:+.2f}"
             await self.registry.rollback(self.config.scope, owner, reason)
             self.progress.rolled_back.append(live.id)
             log.warning("adapter rolled back", version=live.id, reason=reason)

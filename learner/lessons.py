@@ -57,13 +57,13 @@ def ignores_correction(turn: Turn) -> bool:
     ("That's wrong.") leave nothing to check."""
     if not turn.tool_calls:
         return False
-    asks = [content_text(m.get("content")) for m in turn.prompt_messages if m.get("role") == "user"]
+    asks = _asks(turn.prompt_messages)
     if len(asks) < 2:
         return False
     hint = correction_hint(asks[-1])
     if hint is None or hint.startswith(CONTENT_FREE_HINTS):
         return False
-    named = _words(asks[-1]) - _words(asked_text(turn.prompt_messages))
+    named = _words(asks[-1]) - _words(_asked(asks))
     arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
     carried = {w for a in arguments if isinstance(a, dict) for value in _values(a) for w in _words(value)}
     return bool(named) and not named & carried
@@ -90,7 +90,16 @@ def asked_text(messages: Sequence[dict[str, Any]]) -> str:
     """What the user asked for: the last user message that is not a correction or a re-ask of the
     one before it. After "No, I meant Lisbon time." the request is still "What time is it at home?",
     and a lesson keyed by the correction would never be retrieved for the next such request."""
-    asks = [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
+    return _asked(_asks(messages))
+
+
+def _asks(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The user messages' texts, in order."""
+    return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
+
+
+def _asked(asks: Sequence[str]) -> str:
+    """:func:`asked_text` over the user messages' texts."""
     for i in range(len(asks) - 1, 0, -1):
         if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]):
             return asks[i]
