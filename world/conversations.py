@@ -32,9 +32,10 @@ import asyncio
 import json
 import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,16 @@ from whet.world.tasks import (
 )
 
 
-def _clock_cities() -> tuple[str, ...]:
-    """Every city name the clock server resolves: the last part of each regional IANA zone."""
+def _clock_cities(zones: Iterable[str] | None = None) -> tuple[str, ...]:
+    """Every city name the clock server resolves: the last part of each regional IANA zone
+    (of ``zones``; by default every zone this machine knows)."""
     from zoneinfo import available_timezones
 
     from whet.servers.clock import ClockError, resolve_timezone
 
     regions = ("Africa", "America", "Asia", "Atlantic", "Australia", "Europe", "Indian", "Pacific")
     names = set()
-    for zone in available_timezones():
+    for zone in available_timezones() if zones is None else zones:
         region, _, city = zone.partition("/")
         if region in regions and city and "/" not in city:
             name = city.replace("_", " ")
@@ -99,9 +101,14 @@ _THINGS = (
 )
 
 
-def training_vocabulary() -> Vocabulary:
-    """The values warm-start conversations are made of: :data:`NATURAL` widened (see the module doc)."""
-    return Vocabulary(cities=_clock_cities(), people=_PEOPLE, lists=_LISTS, things=(*NATURAL.things, *_THINGS))
+def training_vocabulary(*, pinned_zones: bool = False) -> Vocabulary:
+    """The values warm-start conversations are made of: :data:`NATURAL` widened (see the module doc).
+    ``pinned_zones`` takes the cities from the ``tzdata`` package's zone list alone (its version is
+    pinned), not from every zone this machine knows, so that a shipped file made of them is the
+    same wherever it is regenerated."""
+    zones = resources.files("tzdata").joinpath("zones").read_text().split() if pinned_zones else None
+    return Vocabulary(cities=_clock_cities(zones), people=_PEOPLE, lists=_LISTS,
+                      things=(*NATURAL.things, *_THINGS))
 
 
 # Requests no tool answers; each maker is a template over one topic list. The bench's chat probe

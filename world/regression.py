@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from whet.config.settings import AgentConfig
-from whet.world.conversations import BundledTools, answer_for
-from whet.world.tasks import GENERAL, NATURAL, load_profile, make_task
+from whet.world.conversations import BundledTools, answer_for, training_vocabulary
+from whet.world.tasks import GENERAL, NATURAL, Vocabulary, load_profile, make_task
 
 CHATS = (
     ("Hello!", "Hello! How can I help you today?"),
@@ -71,21 +71,24 @@ REHEARSAL_CHATS = (
     ("How do I boil an egg?", "Put it in boiling water for about 7 minutes, then cool it in cold water."),
     ("Give me a word that rhymes with moon.", "Spoon."),
 )
-REHEARSAL_CALLS = 6  # general tasks per intent in the rehearsal set: a step draws a third of its items from the
-# tools its batch called, and three per intent left most steps one contrast per tool
+REHEARSAL_CALLS = 24  # general tasks per intent in the rehearsal set, over the warm start's wide vocabulary: a
+# step draws a third of its items from the tools its batch called, and six per intent over the users' own
+# cities let an adapter keep those six calls and still write one user's home into every other city (run O)
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The regression set's records, deterministic per seed; a request drawn twice is pinned once."""
-    yield from _distinct(_records(random.Random(f"regression:{seed}"), PINNED_CALLS, CHATS))
+    yield from _distinct(_records(random.Random(f"regression:{seed}"), PINNED_CALLS, CHATS, NATURAL))
 
 
 def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The rehearsal set's records, deterministic per seed: :data:`REHEARSAL_CALLS` general tasks
-    per intent (the first :data:`ANSWERS` intents with their answer step too) and
-    :data:`REHEARSAL_CHATS`. A request that is also in the regression set is left out."""
+    per intent over the warm start's wide vocabulary (the first :data:`ANSWERS` intents with their
+    answer step too) and :data:`REHEARSAL_CHATS`. A request that is also in the regression set is
+    left out."""
     pinned = {_asked(r) for r in records(seed)}
-    yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS), pinned)
+    vocab = training_vocabulary(pinned_zones=True)
+    yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS, vocab), pinned)
 
 
 def _asked(record: dict[str, Any]) -> str:
@@ -101,14 +104,15 @@ def _distinct(records: Iterator[dict[str, Any]], seen: set[str] | None = None) -
             yield record
 
 
-def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], ...]) -> Iterator[dict[str, Any]]:
+def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], ...],
+             vocab: Vocabulary) -> Iterator[dict[str, Any]]:
     system = AgentConfig().system_prompt
     profile = load_profile()  # general tasks need no preference: any profile makes the same ones
     with tempfile.TemporaryDirectory(prefix="whet-regression-") as folder:
         tools = BundledTools(Path(folder))
         try:
             for i, intent in enumerate(GENERAL * per_intent):
-                task = make_task(intent, rng, profile, vocab=NATURAL)
+                task = make_task(intent, rng, profile, vocab=vocab)
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
                 arguments = json.dumps(dict(task.call.arguments), ensure_ascii=False)
                 call_text = f'<tool_call>\n{{"name": "{task.call.name}", "arguments": {arguments}}}\n</tool_call>'
