@@ -568,28 +568,20 @@ def _reads_tool_results(turn: Turn) -> bool:
 
 def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str) -> list[int]:
     """Which rehearsal items (each given as the tools it calls) a step whose batch called ``tools``
-    rehearses: ``n`` of them. A third (where there are such) are small talk (no tool), what a batch
-    made only of calls pushes towards a call (run M's gate rejected 8 of 10 weights-arm steps for a
-    tool called on "Hello!"). Then one call of every tool the set calls, the batch's tools first: a
-    batch teaches argument shapes as well as values, and run P's candidates, trained on
-    conversions, called ``calculate`` with ``convert``'s arguments in steps that drew no
-    ``calculate`` item. Then calls of the batch's own tools up to a third of the draw, what a batch
-    that teaches one user's value for a tool is most likely to disturb (the same tool called with the
-    value a request names); the rest are drawn from all. Seeded (by the version's name), so a step
-    redone after a crash draws the same."""
+    rehearses: ``n`` of them. A third (where there are such) are calls of those same tools, what a
+    batch that teaches one user's value for a tool is most likely to disturb (the same tool called
+    with the value a request names); a third are small talk (no tool), what a batch made only of
+    calls pushes towards a call (run M's gate rejected 8 of 10 weights-arm steps for a tool called
+    on "Hello!"); the rest are drawn from all. Seeded (by the version's name), so a step redone
+    after a crash draws the same."""
     rng = random.Random(seed)
     n = min(n, len(items))
+    same = [i for i, called in enumerate(items) if called & tools]
     talk = [i for i, called in enumerate(items) if not called]
-    picked = rng.sample(talk, min(len(talk), n // 3))
-    every = sorted(set().union(*items), key=lambda tool: (tool not in tools, rng.random()))
-    for tool in every:
-        calls = [i for i, called in enumerate(items) if tool in called and i not in picked]
-        if calls and len(picked) < n:
-            picked.append(rng.choice(calls))
-    same = [i for i, called in enumerate(items) if called & tools and i not in picked]
-    wanted = n // 3 - sum(1 for i in picked if items[i] & tools)
-    picked += rng.sample(same, max(0, min(len(same), wanted, n - len(picked))))
-    rest = [i for i in range(len(items)) if i not in picked]
+    picked = rng.sample(same, min(len(same), n // 3))
+    picked += rng.sample(talk, min(len(talk), n // 3))
+    taken = set(picked)
+    rest = [i for i in range(len(items)) if i not in taken]
     return picked + rng.sample(rest, n - len(picked))
 
 

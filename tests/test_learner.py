@@ -123,21 +123,18 @@ def test_rehearsal_small_talk_is_the_base_models_own_reply_and_calls_keep_their_
     assert items[0][1] == trainer.teacher_action(chat_prompt, 12) != written
 
 
-def test_a_step_rehearses_every_tool_and_more_calls_of_the_tools_its_batch_called():
+def test_a_step_rehearses_calls_of_the_tools_its_batch_called():
     from whet.learner.learner import rehearsal_draw
 
     items = [{"now"}, {"calculate"}, set(), {"now"}, {"convert"}, set(), {"now"}, {"add_note"}, set(), set(),
-             {"calculate"}, {"convert"}, {"now"}]
-    picked = rehearsal_draw(items, 9, {"now"}, "global-0002")
-    assert len(picked) == len(set(picked)) == 9
-    assert set().union(*(items[i] for i in picked)) == {"now", "calculate", "convert", "add_note"}  # every tool
-    assert sum("now" in items[i] for i in picked) >= 3  # a third of the draw: calls of the batch's tools
-    assert sum(not items[i] for i in picked) >= 3  # and a third small talk
-    short = rehearsal_draw(items, 3, {"convert"}, "v")  # too few for every tool: small talk, then the batch's
-    assert sum(not items[i] for i in short) == 1 and "convert" in items[short[1]]
+             {"calculate"}, {"convert"}]
+    picked = rehearsal_draw(items, 6, {"now"}, "global-0002")
+    assert len(picked) == len(set(picked)) == 6
+    assert sum("now" in items[i] for i in picked) >= 2  # a third of the draw: calls of the batch's tools
+    assert sum(not items[i] for i in picked) >= 2  # and a third small talk
     only_calls = [{"now"}, {"now"}, {"convert"}, {"calculate"}]  # a set with no small talk draws what it has
     assert sorted(rehearsal_draw(only_calls, 4, {"now"}, "v")) == [0, 1, 2, 3]
-    assert picked == rehearsal_draw(items, 9, {"now"}, "global-0002")  # a redone step draws the same
+    assert picked == rehearsal_draw(items, 6, {"now"}, "global-0002")  # a redone step draws the same
     assert len(rehearsal_draw(items, 20, set(), "v")) == len(items)
 
 
