@@ -72,8 +72,8 @@ REHEARSAL_CHATS = (
     ("Give me a word that rhymes with moon.", "Spoon."),
 )
 REHEARSAL_CALLS = 24  # general tasks per intent in the rehearsal set, over the warm start's wide vocabulary: a
-# step draws a third of its items from the tools its batch called, and six per intent over the users' own
-# cities let an adapter keep those six calls and still write one user's home into every other city (run O)
+# step draws a third of its items from the tools its batch called, and six per intent over the users' vocabulary
+# (six cities) let an adapter keep those six calls and still write one user's home into every other city (run O)
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
