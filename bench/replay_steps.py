@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -42,9 +41,8 @@ def copy_store(arm: Path, out: Path, through: str) -> int:
     those steps' samples untrained; returns how many samples there are to train."""
     source = arm / "data" / "whet.db"
     (out / "data").mkdir(parents=True)
-    with sqlite3.connect(source) as src, sqlite3.connect(out / "data" / "whet.db") as dest:
-        src.backup(dest)
-    with sqlite3.connect(out / "data" / "whet.db") as db:
+    with sqlite3.connect(source) as src, sqlite3.connect(out / "data" / "whet.db") as db:
+        src.backup(db)
         made = db.execute("select created_at from adapters where id = ?", (through,)).fetchone()
         if made is None:
             raise SystemExit(f"error: {through} is not a step of {arm} (see its adapters/ folder)")
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replaying {samples} samples through {args.through} in {out} ({', '.join(args.set) or 'no change'})",
           flush=True)
     with open(out / "learn.log", "wb") as log:
-        code = subprocess.run(whet, stdout=log, stderr=subprocess.STDOUT, env=os.environ).returncode
+        code = subprocess.run(whet, stdout=log, stderr=subprocess.STDOUT).returncode
     if code:
         print(f"error: whet learn exited {code}; see {out / 'learn.log'}", file=sys.stderr)
         return code
