@@ -194,6 +194,10 @@ class AgentConfig(Section):
     # a lesson less similar than this (cosine) to the request stays out of the prompt: small talk
     # gets no lessons about the time at home to misread
     lessons_min_score: float = Field(0.3, ge=-1.0, le=1.0)
+    # and one further than this below the closest lesson stays out too: the lesson about *this*
+    # request is not drowned by the user's other lessons of the same kind (Sam's city beside three
+    # about home); lessons about as close as each other are all shown
+    lessons_margin: float = Field(0.1, ge=0.0, le=2.0)
     lesson_token_budget: int = Field(256, ge=0)
     # above this many tools, only the tools_k most relevant to the request are shown
     tools_k: int = Field(16, ge=1)

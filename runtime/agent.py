@@ -309,8 +309,9 @@ class Agent:
             return []
         hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
         chosen, budget = [], self.config.lesson_token_budget
+        floor = max(self.config.lessons_min_score, hits[0].score - self.config.lessons_margin) if hits else 0.0
         for hit in hits:
-            if hit.score < self.config.lessons_min_score:
+            if hit.score < floor:
                 break  # best first: the rest are further still
             cost = _approx_tokens(hit.text)
             if cost > budget:

@@ -235,6 +235,28 @@ async def test_lessons_from_memory_reach_the_prompt_for_that_user_only(tmp_path)
     assert unrelated < AgentConfig().lessons_min_score and "Lisbon time" not in backend.calls[2].messages[0]["content"]
 
 
+async def test_a_lesson_far_below_the_closest_stays_out_of_the_prompt(tmp_path):
+    """The lesson about this request is not drowned by the user's other lessons of its kind
+    (run Q: alex's three lessons about home beside Sam's city made "Sam's place" Tbilisi)."""
+    sam = 'When asked "What time is it at Sam\'s place?": The user meant Tokyo time, Sam lives in Tokyo'
+    home = ['When asked "What time is it at home?": The user meant Lisbon time',
+            'When asked "What time is it at home?": calling now({"timezone": "Lisbon"}) was right.']
+    backend = ScriptedBackend(["ok", "ok"])
+    async with serve(tmp_path, backend) as (client, res):
+        for text in (sam, *home):
+            lesson = await res.store.add_lesson("alice", text)
+            res.index.add(lesson.id, "alice", lesson.text)
+        for asked in ("What time is it at Sam's place?", "What time is it at home?"):
+            await client.post("/v1/chat/completions", json=chat_body(asked, user="alice"))
+        scores = {h.text: h.score for h in res.index.search("alice", "What time is it at Sam's place?", 4)}
+    config = AgentConfig()
+    # the home lessons are close enough to be shown on their own, but far below Sam's
+    assert all(config.lessons_min_score <= scores[h] < scores[sam] - config.lessons_margin for h in home), scores
+    sam_prompt, home_prompt = (call.messages[0]["content"] for call in backend.calls)
+    assert "Tokyo" in sam_prompt and "Lisbon" not in sam_prompt
+    assert all(h in home_prompt for h in home)  # the two about home are about as close as each other
+
+
 async def test_a_request_with_store_false_is_served_and_kept_but_never_learned_from(tmp_path):
     """``store: false`` (OpenAI's field): the bench's evaluation sends it. A failed tool call is
     judged the moment its result comes back, and a correction makes a lesson; neither may come
