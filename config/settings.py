@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -323,6 +324,11 @@ class GateConfig(Section):
     rollback_margin: float = Field(0.25, ge=0.0)
     # ...and by more than this many standard errors of the two windows' difference (0: the margin alone)
     rollback_z: float = Field(2.0, ge=0.0)
+    # lessons pass the same pinned turns: a new lesson that a pinned turn would be shown (the agent's
+    # retrieval rule) must not make the served model answer it wrong, greedily, where it answers it
+    # right without; such a lesson is not added (logged). Needs the served model: `whet learn`
+    # alone adds lessons unchecked
+    check_lessons: bool = True
 
 
 class RehearsalConfig(Section):
@@ -371,6 +377,10 @@ class LogConfig(Section):
         return self.format == "json" or self.json_logs
 
 
+# set while a config that has read the WHET_* env takes the overrides: the env is not read again
+_ENV_READ: ContextVar[bool] = ContextVar("whet_env_read", default=False)
+
+
 class WhetConfig(BaseSettings):
     """The whole resolved configuration."""
 
@@ -397,8 +407,9 @@ class WhetConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # env beats the merged files handed in as init kwargs
-        return (env_settings, init_settings)
+        # env beats the merged files handed in as init kwargs; the overrides, applied to a config
+        # that has read the env already, beat both (load_config)
+        return (init_settings,) if _ENV_READ.get() else (env_settings, init_settings)
 
     @model_validator(mode="after")
     def _resolve_scope(self) -> WhetConfig:
@@ -484,7 +495,11 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
             dumped = config.model_dump()
             if config._scope_auto:  # resolved again, over the overrides' keys
                 dumped["learner"]["scope"] = "auto"
-            config = WhetConfig(**_merge(dumped, overrides))
+            read = _ENV_READ.set(True)
+            try:
+                config = WhetConfig(**_merge(dumped, overrides))
+            finally:
+                _ENV_READ.reset(read)
     except ValidationError as exc:
         raise _config_error(exc) from None
     except (SettingsError, RecursionError) as exc:  # a WHET_* value pydantic-settings could not decode as JSON

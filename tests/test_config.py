@@ -21,10 +21,12 @@ def test_a_file_then_env_then_flags_override_in_that_order(tmp_path, monkeypatch
     path = tmp_path / "whet.yaml"
     path.write_text("model:\n  id: from-file\n  temperature: 0.1\nserver:\n  port: 9000\n")
     monkeypatch.setenv("WHET_MODEL__ID", "from-env")
+    monkeypatch.setenv("WHET_SERVER__PORT", "9050")
     config = load_config(path, overrides={"server": {"port": 9100}})
     assert config.model.id == "from-env"
     assert config.model.temperature == 0.1  # the file's value survives where env is silent
-    assert config.server.port == 9100
+    assert config.server.port == 9100  # a flag beats the env (which beats the file)
+    assert load_config(path).server.port == 9050
 
 
 def test_an_unknown_key_names_the_key_and_the_fix(tmp_path):
