@@ -212,4 +212,19 @@ def _plain(value: Any) -> Any:
 
 def load_pinned_actions(path: Path, key: str = "learner.gate.regression_set") -> list[PinnedAction]:
     """:class:`PinnedAction` of each line of a regression set (in the order of :func:`load_regression_set`)."""
-    return [PinnedAction.of(record) for record in _records(path, key)]
+    return [turn.action for turn in load_pinned_turns(path, key)]
+
+
+@dataclass(frozen=True)
+class PinnedTurn:
+    """One line of a regression set as a conversation to answer: what the lesson check asks the served model."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    response: str
+    action: PinnedAction
+
+
+def load_pinned_turns(path: Path, key: str = "learner.gate.regression_set") -> list[PinnedTurn]:
+    """:class:`PinnedTurn` of each line of a regression set, in its order."""
+    return [PinnedTurn(r["messages"], r.get("tools"), r["response"], PinnedAction.of(r)) for r in _records(path, key)]

@@ -47,7 +47,14 @@ import anyio
 import structlog
 
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
-from whet.learner.gate import PinnedAction, PromotionGate, Replayed, load_pinned_actions, load_regression_set
+from whet.learner.gate import (
+    PinnedAction,
+    PromotionGate,
+    Replayed,
+    load_pinned_actions,
+    load_pinned_turns,
+    load_regression_set,
+)
 from whet.learner.judge import (
     TOOL_FAILED,
     ChatModel,
@@ -59,6 +66,7 @@ from whet.learner.judge import (
     RulesJudge,
     Verdict,
 )
+from whet.learner.lesson_check import Generate, LessonCheck
 from whet.learner.lessons import ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
@@ -66,6 +74,7 @@ from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import LoraTrainer, Sample, limited_threads, release_memory, training_threads
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
+from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Turn
 
@@ -81,6 +90,7 @@ class Progress:
 
     judged: int = 0
     lessons: int = 0
+    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns)
     steps: int = 0
     promoted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -105,6 +115,7 @@ class Learner:
         regression: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         pinned: Sequence[PinnedAction] = (),
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
+        lesson_check: LessonCheck | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
         if config.scope == "auto":  # WhetConfig resolves auto from server.api_keys; with none in sight, one user
@@ -127,6 +138,7 @@ class Learner:
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
+        self._lesson_check = lesson_check
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -220,7 +232,7 @@ class Learner:
         # the locks are read after the store: work that drained the queue while we read is still in hand
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
-        return {"judged": p.judged, "lessons": p.lessons, "steps": p.steps, "promoted": len(p.promoted),
+        return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held, "steps": p.steps, "promoted": len(p.promoted),
                 "rejected": len(p.rejected), "rolled_back": len(p.rolled_back), "busy": busy}  # fmt: skip
 
     async def catch_up(self) -> int:
@@ -328,6 +340,10 @@ class Learner:
         text, kind = found
         user_id = request[-1].user_id
         if any(lesson.text == text for lesson in await self.store.list_lessons(user_id)):
+            return
+        if self._lesson_check is not None and (broken := await self._lesson_check.broken(user_id, text)):
+            log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=broken)
+            self.progress.lessons_held += 1
             return
         lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id)
         await self.bus.publish(LESSON_ADDED, {"lesson_id": lesson.id, "user_id": user_id})
@@ -649,8 +665,11 @@ def check_config(config: WhetConfig, *, standalone: bool) -> None:
         raise ConfigError("learner.rehearsal.set", f"{rehearsal} does not exist", "point it at a JSONL file or null")
 
 
-def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel | None = None) -> Learner:
-    """The learner ``config`` describes. ``chat``: the served model, for an LLM judge without its own endpoint.
+def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel | None = None,
+                 index: LessonIndex | None = None, generate: Generate | None = None) -> Learner:  # fmt: skip
+    """The learner ``config`` describes. ``chat``: the served model, for an LLM judge without its own endpoint;
+    ``index`` and ``generate``: the agent's lessons and the served model's greedy replies, for the lesson
+    check (``learner.gate.check_lessons``; without them lessons are added unchecked).
 
     Raises ConfigError for a setting that cannot work (an LLM judge with no model to ask,
     a regression set that does not exist).
@@ -676,6 +695,12 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
             source = resolve_source(config.model.id, config.data_path)
             return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
 
+    check = None
+    if learner.gate.check_lessons and learner.lessons and regression is not None:
+        if index is not None and generate is not None:
+            check = LessonCheck(load_pinned_turns(regression), index, config.agent, generate)
+        else:
+            log.info("lessons are added unchecked: the lesson check needs the served model (whet serve)")
     return Learner(
         learner,
         store,
@@ -687,4 +712,5 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         pinned=load_pinned_actions(regression) if regression else (),
         rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
         if rehearsal else None,
+        lesson_check=check,
     )

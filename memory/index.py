@@ -16,7 +16,7 @@ import hashlib
 import importlib.util
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -154,6 +154,23 @@ class LessonHit:
     user_id: str
     text: str
     score: float
+
+
+def shown(hits: Sequence[LessonHit], *, min_score: float, margin: float, token_budget: int) -> list[LessonHit]:
+    """The hits a prompt shows (``hits`` best first, as :meth:`LessonIndex.search` gives them): those at
+    least ``min_score`` similar to the request and no more than ``margin`` below the closest, while
+    their text fits ``token_budget`` (about four characters a token). The agent's rule, and the
+    lesson check's (which asks what a prompt would show with a lesson not yet added)."""
+    if not hits:
+        return []
+    chosen, floor = [], max(min_score, hits[0].score - margin)
+    for hit in hits:
+        cost = len(hit.text) // 4 + 1
+        if hit.score < floor or cost > token_budget:
+            break  # best first: the rest are further still
+        chosen.append(hit)
+        token_budget -= cost
+    return chosen
 
 
 # A user's lessons past this many are searched approximately. Exact search reads every vector of the

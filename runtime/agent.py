@@ -30,7 +30,7 @@ import structlog
 from whet.config.settings import AgentConfig
 from whet.learner.prompt import canonical_arguments, last_user_text, with_lessons
 from whet.memory.experience import Experience
-from whet.memory.index import LessonIndex
+from whet.memory.index import LessonIndex, shown
 from whet.memory.tables import Approval, Turn, TurnCreate, new_turn_id, utcnow
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.approvals import ApprovalPolicy, approval_call, outcome, unrun_result
@@ -308,17 +308,9 @@ class Agent:
         if self.config.lessons_k == 0 or not query or len(self.index) == 0:
             return []
         hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
-        chosen, budget = [], self.config.lesson_token_budget
-        floor = max(self.config.lessons_min_score, hits[0].score - self.config.lessons_margin) if hits else 0.0
-        for hit in hits:
-            if hit.score < floor:
-                break  # best first: the rest are further still
-            cost = _approx_tokens(hit.text)
-            if cost > budget:
-                break
-            chosen.append(hit.text)
-            budget -= cost
-        return chosen
+        c = self.config
+        return [hit.text for hit in shown(hits, min_score=c.lessons_min_score, margin=c.lessons_margin,
+                                          token_budget=c.lesson_token_budget)]  # fmt: skip
 
     async def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if starting := await self.tools.settle():
@@ -429,10 +421,6 @@ def resumed_request(approval: Approval) -> TurnRequest:
 
 def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-
-
-def _approx_tokens(text: str) -> int:
-    return len(text) // 4 + 1
 
 
 def _safe_prefix(text: str) -> str:

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import structlog
@@ -23,6 +24,7 @@ import structlog
 from whet.config.mcp import load_mcp_servers
 from whet.config.settings import WhetConfig
 from whet.learner.learner import Learner, open_learner
+from whet.learner.lesson_check import Generate
 from whet.memory.bus import Bus, open_bus
 from whet.memory.experience import Experience
 from whet.memory.index import Embedder, LessonIndex, open_embedder
@@ -33,7 +35,7 @@ from whet.runtime.approvals import ApprovalPolicy
 from whet.runtime.backends import create_backend
 from whet.runtime.follower import Follower
 from whet.runtime.metrics import Metrics
-from whet.runtime.policy import BackendChat, PolicyBackend
+from whet.runtime.policy import BackendChat, PolicyBackend, SamplingParams
 from whet.runtime.tools import ToolPool
 
 log = structlog.get_logger()
@@ -74,6 +76,18 @@ async def _background(name: str, run: Callable[[], Awaitable[None]]) -> AsyncIte
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def served_greedy(backend: PolicyBackend, adapters: AdapterRouter) -> Generate:
+    """The served model's greedy reply, under the version live for the user now (the lesson check's model)."""
+
+    async def generate(user_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       max_tokens: int) -> str:  # fmt: skip
+        with adapters.lease(user_id) as version:
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+            return (await backend.generate(messages, tools or [], params, adapter=version)).text
+
+    return generate
 
 
 def mcp_variables(config: WhetConfig) -> dict[str, str]:
@@ -129,7 +143,8 @@ async def open_resources(
         )
         learner: Learner | None = None
         if config.learner.enabled:  # the default deployment: the learner alongside, in the background
-            learner = open_learner(config, store, bus, chat=BackendChat(backend))
+            learner = open_learner(config, store, bus, chat=BackendChat(backend), index=index,
+                                   generate=served_greedy(backend, adapters))  # fmt: skip
             await stack.enter_async_context(_background("whet-learner", learner.run))
         metrics = Metrics()
         experience = Experience(store, bus)

@@ -13,6 +13,9 @@ import pytest
 # would retry an unreachable network for about a minute (a learner given the scripted backend's
 # model id "scripted" tried just that in every test whose turns were judged).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The lesson check asks the served model about pinned turns whenever a lesson is made: a scripted
+# backend would hand it replies written for the test's own requests. Tests of the check turn it on.
+os.environ.setdefault("WHET_LEARNER__GATE__CHECK_LESSONS", "false")
 
 POSTGRES_URL = os.environ.get("WHET_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 MQTT_HOST, MQTT_PORT = "127.0.0.1", 1883

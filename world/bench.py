@@ -187,6 +187,7 @@ class ArmResult:
     chat_after: float = 0.0
     adapters_promoted: int = 0
     lessons: int = 0
+    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns)
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
     # what was missed: the held-out tasks at each checkpoint; the general tasks and the chat probe
@@ -215,6 +216,7 @@ class ArmResult:
             "chat_after": self.chat_after,
             "adapters_promoted": self.adapters_promoted,
             "lessons": self.lessons,
+            "lessons_held": self.lessons_held,
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
             "missed": {"heldout": self.missed, "general": self.general_missed, "chat": self.chat_missed},
@@ -260,6 +262,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
     result.lessons = learner.get("lessons", 0)
+    result.lessons_held = learner.get("lessons_held", 0)
     result.adapter = health.get("adapter")
     result.wall_s = time.perf_counter() - started
     return result

@@ -1,0 +1,86 @@
+"""The lesson check: a new lesson is not added when it breaks a pinned turn.
+
+Weights reach users only through the promotion gate; a lesson reaches the very next request. The
+check holds lessons to the gate's greedy rule (:class:`~whet.learner.gate.PinnedAction`): for each
+pinned turn of the regression set whose request would be shown the new lesson (the agent's
+retrieval rule, :func:`~whet.memory.index.shown`, over the user's lessons and this one), the
+served model answers it greedily with the lesson in its prompt. A turn answered wrong with the
+lesson and right without it is a turn the lesson broke, and the lesson is not added.
+
+What it guards: a user who thanks at random makes "calling add_note(...) was right" a lesson for a
+sum, and the next sum is noted instead of added; a lesson that says where one user's reminders go
+is shown beside a request that names its own list. Pinned turns that would not be shown the lesson
+cost nothing: most lessons are checked against no turn or a few.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from whet.config.settings import AgentConfig
+from whet.learner.gate import PinnedTurn
+from whet.learner.prompt import last_user_text, with_lessons
+from whet.memory.index import LessonHit, LessonIndex, shown
+
+log = structlog.get_logger()
+
+# (user id, messages, tools, max new tokens) -> the served model's greedy reply, tool-call markup included
+Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
+
+
+class LessonCheck:
+    def __init__(self, pinned: Sequence[PinnedTurn], index: LessonIndex, agent: AgentConfig, generate: Generate) -> None:
+        self.pinned = list(pinned)
+        self.index = index
+        self.agent = agent
+        self.generate = generate
+        self._requests = [last_user_text(turn.messages) for turn in self.pinned]
+        self._vectors: np.ndarray | None = None  # the pinned requests embedded, once
+
+    async def broken(self, user_id: str, text: str) -> list[str]:
+        """The pinned turns that lesson ``text`` (not yet added) breaks for ``user_id``, each as
+        ``request -> reply``; empty when it breaks none."""
+        if not self.pinned or self.agent.lessons_k == 0:
+            return []
+        scores = await anyio.to_thread.run_sync(self._scores, text)
+        broken = []
+        for turn, request, score in zip(self.pinned, self._requests, scores.tolist(), strict=True):
+            if score < self.agent.lessons_min_score or not request:
+                continue
+            hits = await anyio.to_thread.run_sync(self.index.search, user_id, request, self.agent.lessons_k)
+            new = LessonHit(-1, user_id, text, score)
+            with_it = self._shown(sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
+            if new not in with_it:
+                continue
+            reply = await self._answer(user_id, turn, with_it)
+            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, self._shown(hits))):
+                continue
+            broken.append(f"{request} -> {reply.strip()}")
+        return broken
+
+    def _scores(self, text: str) -> np.ndarray:
+        """Cosine similarity of ``text`` to each pinned request, as the index scores a search."""
+        embedder = self.index.embedder
+        if self._vectors is None:
+            self._vectors = embedder.embed(self._requests)  # [n, d], unit rows
+        return self._vectors @ embedder.embed([text])[0]  # [n]
+
+    def _shown(self, hits: Sequence[LessonHit]) -> list[LessonHit]:
+        a = self.agent
+        return shown(hits, min_score=a.lessons_min_score, margin=a.lessons_margin, token_budget=a.lesson_token_budget)
+
+    async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
+        """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent
+        would send them; long enough for the pinned reply and a little more."""
+        messages = [dict(m) for m in turn.messages]
+        if messages and messages[0].get("role") == "system":
+            system = str(messages.pop(0).get("content") or "")
+        else:
+            system = self.agent.system_prompt
+        prompt = [{"role": "system", "content": with_lessons(system, [h.text for h in lessons])}, *messages]
+        return await self.generate(user_id, prompt, turn.tools, len(turn.response) // 3 + 16)

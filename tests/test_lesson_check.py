@@ -1,0 +1,201 @@
+"""The lesson check: a lesson that breaks a pinned turn it would be shown with is not added."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from whet.config.settings import AgentConfig, LearnerConfig
+from whet.learner.gate import PinnedAction, PinnedTurn, load_pinned_turns
+from whet.learner.judge import RulesJudge
+from whet.learner.learner import Learner, regression_path
+from whet.learner.lesson_check import LessonCheck
+from whet.learner.prompt import last_user_text
+from whet.learner.registry import AdapterRegistry
+from whet.memory.bus import MemoryBus
+from whet.memory.experience import Experience
+from whet.memory.index import HashingEmbedder, LessonIndex
+from whet.memory.store import Store, open_store
+from whet.memory.tables import TurnCreate
+
+SYSTEM = {"role": "system", "content": "You are whet."}
+NOTE_SUM = 'When asked "What\'s 37 plus 14?": calling add_note({"text": "37 + 14"}) was right.'
+TIME_HOME = 'When asked "What time is it at home?": calling now({"timezone": "Lisbon"}) was right.'
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def pinned(request: str, response: str) -> PinnedTurn:
+    record = {"messages": [SYSTEM, {"role": "user", "content": request}], "response": response}
+    return PinnedTurn(record["messages"], None, response, PinnedAction.of(record))
+
+
+PINNED = [pinned("What's 37 plus 15?", call("calculate", expression="37 + 15")),
+          pinned("What time is it in Moscow?", call("now", timezone="Moscow")),
+          pinned("Hello!", "Hello! How can I help?")]  # fmt: skip
+
+
+class Model:
+    """A served model that copies the first call a lesson in its system prompt spells, into any
+    request (what a lesson that says where one user's things go does to a request that names its own),
+    and otherwise answers each pinned request as pinned; ``asked`` keeps what it was asked."""
+
+    def __init__(self, copies: bool = True) -> None:
+        self.copies = copies
+        self.asked: list[tuple[str, str]] = []  # (request, system prompt)
+
+    async def __call__(self, user_id: str, messages: list[dict[str, Any]], tools: Any, max_tokens: int) -> str:
+        request, system = last_user_text(messages), messages[0]["content"]
+        self.asked.append((request, system))
+        if self.copies and "add_note(" in system:
+            return call("add_note", text=request)
+        if self.copies and "now(" in system:
+            return call("now", timezone="Lisbon")
+        return next(t.response for t in PINNED if last_user_text(t.messages) == request)
+
+
+def check_with(model: Model, *lessons: str, **agent: Any) -> LessonCheck:
+    index = LessonIndex(HashingEmbedder())
+    for n, text in enumerate(lessons, 1):
+        index.add(n, "alice", text)
+    return LessonCheck(PINNED, index, AgentConfig(**agent), model)
+
+
+def similarity(a: str, b: str) -> float:
+    vectors = HashingEmbedder().embed([a, b])
+    return float(vectors[0] @ vectors[1])
+
+
+@pytest.mark.anyio
+async def test_a_lesson_that_makes_a_pinned_turn_wrong_is_broken_and_unrelated_turns_are_not_asked():
+    assert similarity(NOTE_SUM, "What's 37 plus 15?") >= 0.3 > similarity(NOTE_SUM, "Hello!")  # the premise
+    model = Model()
+    broken = await check_with(model).broken("alice", NOTE_SUM)
+    assert broken == ['What\'s 37 plus 15? -> <tool_call>\n{"name": "add_note", "arguments": {"text": '
+                      '"What\'s 37 plus 15?"}}\n</tool_call>']  # fmt: skip
+    # asked with the lesson, then without it (right: so the lesson broke it); "Hello!" was never asked
+    assert [(request, NOTE_SUM in system) for request, system in model.asked] == [
+        ("What's 37 plus 15?", True), ("What's 37 plus 15?", False)]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_a_lesson_the_model_reads_right_or_one_no_pinned_turn_is_shown_breaks_nothing():
+    model = Model(copies=False)
+    assert await check_with(model).broken("alice", NOTE_SUM) == []
+    assert [request for request, _ in model.asked] == ["What's 37 plus 15?"]  # right with it: not asked again
+    model = Model()
+    assert await check_with(model, lessons_min_score=0.99).broken("alice", NOTE_SUM) == []
+    assert await check_with(model, lessons_k=0).broken("alice", NOTE_SUM) == []
+    assert model.asked == []
+
+
+@pytest.mark.anyio
+async def test_a_turn_already_wrong_without_the_lesson_is_not_the_lessons_doing():
+    """The user's other lesson (about home) already makes "What time is it in Moscow?" wrong: a second
+    lesson of the same kind shown beside it is not blamed for it."""
+    other = 'When asked "What time is it at home, please?": calling now({"timezone": "Lisbon"}) was right.'
+    assert similarity(TIME_HOME, "What time is it in Moscow?") >= 0.3
+    assert abs(similarity(other, "What time is it in Moscow?") - similarity(TIME_HOME, "What time is it in Moscow?")) < 0.1
+    model = Model()
+    assert await check_with(model, other).broken("alice", TIME_HOME) == []
+    assert len(model.asked) == 2  # with both lessons, then with the other alone: wrong either way
+
+
+@pytest.mark.anyio
+async def test_a_lesson_shown_below_the_closest_by_more_than_the_margin_is_not_checked():
+    """The user has a lesson about this very request; the new one, far below it, would not be shown."""
+    exact = 'When asked "What\'s 37 plus 15?": calling calculate({"expression": "37 + 15"}) was right.'
+    assert similarity(exact, "What's 37 plus 15?") - similarity(NOTE_SUM, "What's 37 plus 15?") > 0.1
+    model = Model()
+    assert await check_with(model, exact).broken("alice", NOTE_SUM) == []
+    assert model.asked == []
+
+
+def test_the_bundled_regression_set_loads_as_pinned_turns_in_its_order():
+    turns = load_pinned_turns(regression_path("bundled"))
+    assert len(turns) >= 30
+    assert all(t.messages[-1]["role"] in ("user", "tool") and t.tools for t in turns)
+    assert all(t.action.kept(t.response) for t in turns)  # each pinned reply does what it pins
+
+
+@pytest.fixture
+async def store(tmp_path) -> AsyncIterator[Store]:
+    store = open_store(f"sqlite:///{tmp_path / 'whet.db'}")
+    yield store
+    await store.aclose()
+
+
+async def thanked_call(store: Store, experience: Experience, request: str, name: str, arguments: dict) -> None:
+    """One request answered by a call and an answer, then thanked: a success lesson for the call."""
+    session = await store.create_session("alice")
+    asked = [SYSTEM, {"role": "user", "content": request}]
+    tool_call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": f"req-{session.id}", "model": "tiny"}
+    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[tool_call],
+                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": name, "content": "ok"}]})
+    await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="Done: 51.",
+                                       response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("copies", [True, False])
+async def test_the_learner_holds_back_a_success_lesson_that_breaks_a_pinned_sum(tmp_path, store, copies):
+    """A random thanks after a sum was noted makes "calling add_note(...) was right" a lesson; a model that
+    would then note the pinned sum keeps it out (counted, not stored); one that reads it right keeps it."""
+    bus = MemoryBus()
+    await bus.start()
+    index = LessonIndex(HashingEmbedder())
+    learner = Learner(LearnerConfig(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
+                      lesson_check=LessonCheck(PINNED, index, AgentConfig(), Model(copies)))  # fmt: skip
+    await thanked_call(store, Experience(store, bus), "What's 37 plus 14?", "add_note", {"text": "37 + 14"})
+    await learner.catch_up()
+    lessons = [lesson.text for lesson in await store.list_lessons("alice")]
+    status = await learner.status()
+    if copies:
+        assert (lessons, status["lessons"], status["lessons_held"]) == ([], 0, 1)
+    else:
+        assert (lessons, status["lessons"], status["lessons_held"]) == ([NOTE_SUM], 1, 0)
+    await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_keeps_it_out(tmp_path):
+    """The whole path: a sum answered with add_note and thanked; the learner asks the served model the
+    bundled pinned turns the lesson would be shown with (the hashing embedder scores them 0.24-0.29, so
+    the floor is lowered to reach them), sees a pinned sum noted, and adds no lesson."""
+    from test_api import chat_body, serve
+
+    from whet.runtime.scripted import ScriptedBackend
+
+    pins = {last_user_text(t.messages): t.response for t in load_pinned_turns(regression_path("bundled"))
+            if t.messages[-1]["role"] == "user"}  # fmt: skip
+
+    def model(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+        """Notes whatever it is asked once a lesson says add_note was right, and notes this one sum."""
+        request = last_user_text(messages)
+        if messages[-1]["role"] == "tool":
+            return "Done."
+        if "add_note(" in messages[0]["content"] or request == "What's 37 plus 14?":
+            return call("add_note", text=request)
+        return pins.get(request, "Hello.")
+
+    backend = ScriptedBackend(model)
+    learner = {"train": False, "gate": {"check_lessons": True}}
+    async with serve(tmp_path, backend, learner=learner, agent={"lessons_min_score": 0.2}) as (client, res):
+        first = await client.post("/v1/chat/completions", json=chat_body("What's 37 plus 14?"))
+        assert first.status_code == 200, first.text
+        thanked = chat_body("What's 37 plus 14?", first.json()["choices"][0]["message"]["content"], "Thanks!")
+        assert (await client.post("/v1/chat/completions", json=thanked)).status_code == 200
+        await res.learner.catch_up()
+        assert await res.store.list_lessons(res.config.server.default_user) == []
+        assert (await res.learner.status())["lessons_held"] == 1
+        asked = [(last_user_text(c.messages), "add_note(" in c.messages[0]["content"], c.params.temperature)
+                 for c in backend.calls[3:]]  # fmt: skip
+        assert ("What's 22 plus 45?", True, 0.0) in asked and ("What's 22 plus 45?", False, 0.0) in asked
