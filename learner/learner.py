@@ -341,10 +341,16 @@ class Learner:
         user_id = request[-1].user_id
         if any(lesson.text == text for lesson in await self.store.list_lessons(user_id)):
             return
-        if self._lesson_check is not None and (broken := await self._lesson_check.broken(user_id, text)):
-            log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=broken)
-            self.progress.lessons_held += 1
-            return
+        if self._lesson_check is not None:
+            try:
+                broken = await self._lesson_check.broken(user_id, text)
+            except Exception as exc:  # the served model unreachable: the lesson is not lost over its guard
+                log.warning("lesson check failed; the lesson is added unchecked", lesson=text, error=repr(exc))
+                broken = []
+            if broken:
+                log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=broken)
+                self.progress.lessons_held += 1
+                return
         lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id)
         await self.bus.publish(LESSON_ADDED, {"lesson_id": lesson.id, "user_id": user_id})
         self.progress.lessons += 1

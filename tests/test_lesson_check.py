@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
 from whet.config.settings import AgentConfig, LearnerConfig
@@ -144,16 +145,23 @@ async def thanked_call(store: Store, experience: Experience, request: str, name:
     await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
 
 
+class Unreachable(Model):
+    async def __call__(self, *args: Any) -> str:
+        raise RuntimeError("the served model is down")
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("copies", [True, False])
+@pytest.mark.parametrize("copies", [True, False, None])
 async def test_the_learner_holds_back_a_success_lesson_that_breaks_a_pinned_sum(tmp_path, store, copies):
     """A random thanks after a sum was noted makes "calling add_note(...) was right" a lesson; a model that
-    would then note the pinned sum keeps it out (counted, not stored); one that reads it right keeps it."""
+    would then note the pinned sum keeps it out (counted, not stored); one that reads it right keeps it; when the
+    served model cannot be asked (None), the lesson is added unchecked rather than lost with its judging."""
     bus = MemoryBus()
     await bus.start()
     index = LessonIndex(HashingEmbedder())
     learner = Learner(LearnerConfig(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
-                      lesson_check=LessonCheck(PINNED, index, AgentConfig(), Model(copies)))  # fmt: skip
+                      lesson_check=LessonCheck(PINNED, index, AgentConfig(), Unreachable() if copies is None
+                                               else Model(copies)))  # fmt: skip
     await thanked_call(store, Experience(store, bus), "What's 37 plus 14?", "add_note", {"text": "37 + 14"})
     await learner.catch_up()
     lessons = [lesson.text for lesson in await store.list_lessons("alice")]
@@ -194,6 +202,9 @@ async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_ke
         thanked = chat_body("What's 37 plus 14?", first.json()["choices"][0]["message"]["content"], "Thanks!")
         assert (await client.post("/v1/chat/completions", json=thanked)).status_code == 200
         await res.learner.catch_up()
+        with anyio.fail_after(60):  # the learner's own task may be judging it (and asking the model) meanwhile
+            while (await res.learner.status())["busy"]:
+                await anyio.sleep(0.05)  # polling the learner: it publishes no event for a lesson held back
         assert await res.store.list_lessons(res.config.server.default_user) == []
         assert (await res.learner.status())["lessons_held"] == 1
         asked = [(last_user_text(c.messages), "add_note(" in c.messages[0]["content"], c.params.temperature)
