@@ -232,8 +232,9 @@ class Learner:
         # the locks are read after the store: work that drained the queue while we read is still in hand
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
-        return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held, "steps": p.steps, "promoted": len(p.promoted),
-                "rejected": len(p.rejected), "rolled_back": len(p.rolled_back), "busy": busy}  # fmt: skip
+        return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held, "steps": p.steps,
+                "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
+                "busy": busy}  # fmt: skip
 
     async def catch_up(self) -> int:
         """Judge every closed turn that has no verdict yet; returns how many were judged."""

@@ -7,10 +7,12 @@ retrieval rule, :func:`~whet.memory.index.shown`, over the user's lessons and th
 served model answers it greedily with the lesson in its prompt. A turn answered wrong with the
 lesson and right without it is a turn the lesson broke, and the lesson is not added.
 
-What it guards: a user who thanks at random makes "calling add_note(...) was right" a lesson for a
-sum, and the next sum is noted instead of added; a lesson that says where one user's reminders go
-is shown beside a request that names its own list. Pinned turns that would not be shown the lesson
-cost nothing: most lessons are checked against no turn or a few.
+What it guards (both seen in bench runs): a user who thanks at random makes "calling add_note(...)
+was right" a lesson for a sum, and the next sum is noted instead of added; "the time at home:
+now(Lisbon) was right" made the model call the clock for "Which weekday is 2027-02-15?". Pinned
+turns that would not be shown the lesson cost nothing: most lessons are checked against no turn or
+a few. A request pinned at two steps (its call, then the answer read off the call's result) is
+checked at both.
 """
 
 from __future__ import annotations
@@ -20,14 +22,11 @@ from typing import Any
 
 import anyio
 import numpy as np
-import structlog
 
 from whet.config.settings import AgentConfig
 from whet.learner.gate import PinnedTurn
 from whet.learner.prompt import last_user_text, with_lessons
 from whet.memory.index import LessonHit, LessonIndex, shown
-
-log = structlog.get_logger()
 
 # (user id, messages, tools, max new tokens) -> the served model's greedy reply, tool-call markup included
 Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
