@@ -210,11 +210,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def load_pinned_actions(path: Path, key: str = "learner.gate.regression_set") -> list[PinnedAction]:
-    """:class:`PinnedAction` of each line of a regression set (in the order of :func:`load_regression_set`)."""
-    return [turn.action for turn in load_pinned_turns(path, key)]
-
-
 @dataclass(frozen=True)
 class PinnedTurn:
     """One line of a regression set as a conversation to answer: what the lesson check asks the served model."""
@@ -226,5 +221,5 @@ class PinnedTurn:
 
 
 def load_pinned_turns(path: Path, key: str = "learner.gate.regression_set") -> list[PinnedTurn]:
-    """:class:`PinnedTurn` of each line of a regression set, in its order."""
+    """:class:`PinnedTurn` of each line of a regression set (in the order of :func:`load_regression_set`)."""
     return [PinnedTurn(r["messages"], r.get("tools"), r["response"], PinnedAction.of(r)) for r in _records(path, key)]

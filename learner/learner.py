@@ -51,7 +51,6 @@ from whet.learner.gate import (
     PinnedAction,
     PromotionGate,
     Replayed,
-    load_pinned_actions,
     load_pinned_turns,
     load_regression_set,
 )
@@ -702,10 +701,11 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
             source = resolve_source(config.model.id, config.data_path)
             return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
 
+    pinned = load_pinned_turns(regression) if regression else []
     check = None
-    if learner.gate.check_lessons and learner.lessons and regression is not None:
+    if learner.gate.check_lessons and learner.lessons and pinned:
         if index is not None and generate is not None:
-            check = LessonCheck(load_pinned_turns(regression), index, config.agent, generate)
+            check = LessonCheck(pinned, index, config.agent, generate)
         else:
             log.info("lessons are added unchecked: the lesson check needs the served model (whet serve)")
     return Learner(
@@ -716,7 +716,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         AdapterRegistry(store, bus, config.data_path / "adapters"),
         trainer=trainer,
         regression=(lambda tokenizer: load_regression_set(regression, tokenizer)) if regression else None,
-        pinned=load_pinned_actions(regression) if regression else (),
+        pinned=[turn.action for turn in pinned],
         rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
         if rehearsal else None,
         lesson_check=check,

@@ -25,7 +25,7 @@ import numpy as np
 
 from whet.config.settings import AgentConfig
 from whet.learner.gate import PinnedTurn
-from whet.learner.prompt import last_user_text, with_lessons
+from whet.learner.prompt import last_user_text, prompt_with_lessons
 from whet.memory.index import LessonHit, LessonIndex, shown
 
 # (user id, messages, tools, max new tokens) -> the served model's greedy reply, tool-call markup included
@@ -76,10 +76,5 @@ class LessonCheck:
     async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
         """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent
         would send them; long enough for the pinned reply and a little more."""
-        messages = [dict(m) for m in turn.messages]
-        if messages and messages[0].get("role") == "system":
-            system = str(messages.pop(0).get("content") or "")
-        else:
-            system = self.agent.system_prompt
-        prompt = [{"role": "system", "content": with_lessons(system, [h.text for h in lessons])}, *messages]
+        prompt = prompt_with_lessons(turn.messages, [h.text for h in lessons], self.agent.system_prompt)
         return await self.generate(user_id, prompt, turn.tools, len(turn.response) // 3 + 16)

@@ -180,6 +180,17 @@ def with_lessons(system: str, lessons: Sequence[str]) -> str:
     return system + LESSONS_HEADER + "\n".join(f"- {t}" for t in lessons) if lessons else system
 
 
+def prompt_with_lessons(messages: Sequence[dict[str, Any]], lessons: Sequence[str],
+                        default_system: str) -> list[dict[str, Any]]:  # fmt: skip
+    """``messages`` as the model is sent them: their own system prompt (``default_system`` when they have
+    none) with ``lessons`` added, then the rest."""
+    rest = list(messages)
+    system = default_system
+    if rest and rest[0].get("role") == "system":
+        system = rest.pop(0).get("content") or ""
+    return [{"role": "system", "content": with_lessons(system, lessons)}, *rest]
+
+
 HINT_TEMPLATE = "\n\n[hint] {hint}"  # how a hint joins the user's message in the teacher's context
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
-from whet.learner.prompt import canonical_arguments, last_user_text, with_lessons
+from whet.learner.prompt import canonical_arguments, last_user_text, prompt_with_lessons
 from whet.memory.experience import Experience
 from whet.memory.index import LessonIndex, shown
 from whet.memory.tables import Approval, Turn, TurnCreate, new_turn_id, utcnow
@@ -281,10 +281,7 @@ class Agent:
     async def _context(self, request: TurnRequest) -> list[dict[str, Any]]:
         messages = await self._with_server_results(request.session_id, [dict(m) for m in request.messages])
         lessons = await self._lessons(request.user_id, last_user_text(messages))
-        system = self.config.system_prompt
-        if messages and messages[0]["role"] == "system":
-            system = messages.pop(0)["content"] or ""
-        return [{"role": "system", "content": with_lessons(system, lessons)}, *messages]
+        return prompt_with_lessons(messages, lessons, self.config.system_prompt)
 
     async def _with_server_results(self, session_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Put back the MCP calls (and their results) of a step that also returned client calls.
