@@ -26,7 +26,7 @@ Everything here is a pure function of tensors; the trainer computes the log-prob
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -51,6 +51,8 @@ class TokenBatch:
     # the hinted teacher's own action, for objectives that learn it (``needs_teacher_actions``)
     action_logp: torch.Tensor | None = None  # [B, A] the current policy's log-probs of it, requires grad
     action_mask: torch.Tensor | None = None  # [B, A] 1.0 on its tokens; an all-zero row: no action to learn
+    # the response tokens the evaluative signal scores; None: all of them (see :func:`blamed_tokens`)
+    rl_mask: torch.Tensor | None = None  # [B, T]
 
 
 class Objective(Protocol):
@@ -96,6 +98,26 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -
 def opd_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, clip: float) -> torch.Tensor:
     """Per-token hindsight advantage ``teacher_logp - logp`` (student detached), in [-clip, clip]."""
     return (teacher_logp - logp.detach()).clamp(-clip, clip)  # [B, T]
+
+
+def blamed_tokens(response: Sequence[int], action: Sequence[int] | None) -> list[float]:
+    """Which tokens of a wrong ``response`` the evaluative signal should push down, given the
+    ``action`` the hinted teacher wrote instead: the span between the prefix and the suffix the two
+    share (1.0 there, 0.0 elsewhere); all of them without an action.
+
+    A -1 says the action was wrong, not which tokens: pushed down whole, ``add_note(text=...,
+    list_name="inbox", kind="todo")`` loses the markup, the tool's name and the ``kind`` it got
+    right with the one list name it got wrong, and the next call drops arguments. The hindsight
+    action names the tokens that had to change; the rest were what the teacher would write too."""
+    if action is None:
+        return [1.0] * len(response)
+    head = 0
+    while head < min(len(response), len(action)) and response[head] == action[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(response), len(action)) - head and response[-1 - tail] == action[-1 - tail]:
+        tail += 1
+    return [1.0 if head <= i < len(response) - tail else 0.0 for i in range(len(response))]
 
 
 def _zero_loss(logp: torch.Tensor) -> torch.Tensor:
@@ -163,6 +185,8 @@ class BinaryRL:
         if not bool(scored.any()):
             return _zero_loss(batch.logp), {"loss": 0.0, "rl_loss": 0.0, **_EMPTY_STATS}
         mask = batch.mask * scored.to(batch.mask.dtype)[:, None]  # [B, T]
+        if batch.rl_mask is not None:
+            mask = mask * batch.rl_mask  # [B, T]
         advantages = (batch.scores.to(batch.logp.dtype) - batch.baseline)[:, None]  # [B, 1]
         advantages = torch.where(advantages < 0, advantages * self.negative_weight, advantages)  # [B, 1]
         return _policy_gradient("rl_loss", batch, advantages, mask, self.clip_low, self.clip_high)

@@ -15,7 +15,7 @@ from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner.judge import RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
 from whet.learner.model import stop_token_ids
-from whet.learner.objective import build_objective, objective_from_config
+from whet.learner.objective import blamed_tokens, build_objective, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids, prompt_text
 from whet.learner.registry import AdapterRegistry
 from whet.learner.tiny import build_tiny_model
@@ -273,6 +273,22 @@ def test_hindsight_action_teaches_the_unhinted_policy_the_action_the_hinted_one_
     # a teacher that would write what the student wrote has nothing to teach
     same = Sample("t2", teacher_prompt, right, [0.0] * len(right), score=0, teacher_prompt_ids=teacher_prompt)
     assert trainer.step([same], baseline=0.0)["tokens"] == 0.0
+
+
+def test_a_wrong_action_with_a_hinted_action_is_pushed_down_only_where_the_two_differ(tiny_model, tmp_path):
+    taught = hint_following_policy(tiny_model, tmp_path / "taught")
+    trainer = LoraTrainer.load(str(taught), LORA, build_objective("combined", hindsight="action"), device="cpu")
+    messages, prompt, wrong = encode_turn(trainer, HOME, "In Paris it is 10:00.")
+    _, _, right = encode_turn(trainer, HOME, "In Lisbon it is 09:00.")
+    teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, HOME_HINT)
+    with torch.no_grad():
+        behaviour = trainer.response_logprobs(prompt, wrong).tolist()
+    blamed = blamed_tokens(wrong, right)
+    assert 0 < sum(blamed) < len(wrong)  # "In" and the end are shared
+    corrected = Sample("t1", prompt, wrong, behaviour, score=-1, teacher_prompt_ids=teacher_prompt)
+    assert trainer.step([corrected], baseline=0.0)["rl_tokens"] == sum(blamed)
+    unhinted = Sample("t2", prompt, wrong, behaviour, score=-1)
+    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == len(wrong)  # no action: the whole response
 
 
 # ----------------------------------------------------------------------------- learner around a store

@@ -15,6 +15,7 @@ from whet.learner.objective import (
     HindsightOPD,
     RunningBaseline,
     TokenBatch,
+    blamed_tokens,
     build_objective,
     clipped_surrogate,
     kl_penalty,
@@ -305,6 +306,26 @@ def test_binary_rl_negative_weight_scales_only_the_negative_advantages():
     assert (plain[1] > 0).all() and (none[1] == 0).all()  # or not at all
     with pytest.raises(ValueError, match="negative_weight"):
         BinaryRL(negative_weight=1.5)
+
+
+def test_blamed_tokens_are_the_span_where_the_wrong_response_and_the_hinted_action_differ():
+    assert blamed_tokens([1, 2, 3, 4, 5], [1, 2, 9, 9, 4, 5]) == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert blamed_tokens([1, 2, 3], [1, 2, 3, 4]) == [0.0, 0.0, 0.0]  # nothing wrong, something missing
+    assert blamed_tokens([1, 2, 3, 4], [1, 2]) == [0.0, 0.0, 1.0, 1.0]
+    assert blamed_tokens([7, 8], [1, 2]) == [1.0, 1.0]
+    assert blamed_tokens([1, 1, 1], [1, 1]) == [0.0, 0.0, 1.0]  # prefix and suffix never overlap
+    assert blamed_tokens([1, 2, 3], None) == [1.0, 1.0, 1.0]  # no action: the whole response
+
+
+def test_binary_rl_scores_only_the_tokens_the_rl_mask_names():
+    logp = leaf([[-1.0, -2.0, -0.5], [-0.5, -0.7, -0.1]])
+    batch = TokenBatch(logp=logp, old_logp=logp.detach().clone(), mask=torch.ones(2, 3), scores=torch.tensor([-1, 1]),
+                       baseline=0.0, rl_mask=torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]]))  # fmt: skip
+    loss, stats = BinaryRL().loss(batch)
+    loss.backward()
+    assert stats["tokens"] == 4.0
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 1] > 0  # only the wrong token goes down
+    assert (logp.grad[1] < 0).all()
 
 
 def test_the_objective_follows_its_config_section():
