@@ -270,7 +270,8 @@ class ObjectiveConfig(Section):
     kind: Literal["combined", "rl", "opd"] = "combined"
     rl_weight: float = Field(1.0, ge=0.0)
     # scale on RL's negative advantages: a -1 names no token, and pushed down whole a wrong call
-    # loses its format with its value (0: learn from successes only; hints still teach)
+    # loses its format with its value (0: learn from successes only; hints still teach). With
+    # hindsight: action, a -1 pushes down only the tokens where it differs from the hinted action
     rl_negative_weight: float = Field(1.0, ge=0.0, le=1.0)
     opd_weight: float = Field(1.0, ge=0.0)
     kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model
