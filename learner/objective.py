@@ -106,9 +106,9 @@ def blamed_tokens(response: Sequence[int], action: Sequence[int] | None) -> list
     share (1.0 there, 0.0 elsewhere); all of them without an action.
 
     A -1 says the action was wrong, not which tokens: pushed down whole, ``add_note(text=...,
-    list_name="inbox", kind="todo")`` loses the markup, the tool's name and the ``kind`` it got
-    right with the one list name it got wrong, and the next call drops arguments. The hindsight
-    action names the tokens that had to change; the rest were what the teacher would write too."""
+    list_name="inbox", kind="todo")`` would lose the markup, the tool's name and the ``kind`` it got
+    right with the one list name it got wrong. The hindsight action names the tokens that had to
+    change; the rest were what the teacher would write too."""
     if action is None:
         return [1.0] * len(response)
     head = 0

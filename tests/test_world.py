@@ -230,20 +230,20 @@ def test_a_tool_error_is_an_ordinary_result_for_the_in_process_servers(tmp_path)
 
 
 def test_the_shipped_regression_set_is_what_the_world_generates():
-    from whet.world.regression import records
+    from whet.world.regression import line, records
 
     shipped = (Path(__file__).parents[1] / "config" / "regression.jsonl").read_text().splitlines()
-    assert shipped == [json.dumps(r, ensure_ascii=False) for r in records()]  # as text: key order is what the prompt shows
+    assert shipped == [line(r) for r in records()]  # as text: key order is what the prompt shows
 
 
 def test_the_shipped_rehearsal_set_is_generated_and_shares_no_request_with_the_regression_set():
     """The gate's regression set checks what training did not see: the rehearsal set that every
     step trains on holds other requests, of the same kinds (general calls, answers, small talk)."""
-    from whet.world.regression import records, rehearsal_records
+    from whet.world.regression import line, records, rehearsal_records
 
     shipped = (Path(__file__).parents[1] / "config" / "rehearsal.jsonl").read_text().splitlines()
     rehearsal = [json.loads(line) for line in shipped]
-    assert shipped == [json.dumps(r, ensure_ascii=False) for r in rehearsal_records()]
+    assert shipped == [line(r) for r in rehearsal_records()]
     asked = lambda rs: {json.dumps(r["messages"], sort_keys=True) for r in rs}  # noqa: E731
     assert not asked(rehearsal) & asked(records())
     calls = [r for r in rehearsal if r["response"].startswith("<tool_call>")]

@@ -131,14 +131,18 @@ def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], 
             tools.close()
 
 
+def line(record: dict[str, Any]) -> str:
+    """One record as a line of the shipped files. Keys stay as the servers declare them: the prompt lists
+    a tool's parameters in this order, and a model writes a call's arguments in the order its prompt
+    lists them (key-sorted, add_note's ``kind`` came before the ``text`` it depends on, and rehearsing
+    on such prompts taught calls without ``list_name``)."""
+    return json.dumps(record, ensure_ascii=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     rehearsal = "--rehearsal" in (sys.argv[1:] if argv is None else argv)
     for record in rehearsal_records() if rehearsal else records():
-        # Keys as the servers declare them: the prompt lists a tool's parameters in this order, and a
-        # model writes a call's arguments in the order its prompt lists them (sorted, add_note's ``kind``
-        # came before the ``text`` it depends on, and rehearsing on such prompts taught calls without
-        # ``list_name``).
-        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sys.stdout.write(line(record) + "\n")
     return 0
 
 
