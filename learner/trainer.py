@@ -349,7 +349,7 @@ class LoraTrainer:
                           for s, a in zip(samples, actions, strict=True)]
                 batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
                 batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
-                batch.rl_mask = _padded([blamed_tokens(s.response_ids, a) if s.score < 0 else [1.0] * len(s.response_ids)
+                batch.rl_mask = _padded([blamed_tokens(s.response_ids, a if s.score < 0 else None)
                                          for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
             loss, stats = self.objective.loss(batch)
             if rehearsal and rehearsal_weight > 0:
