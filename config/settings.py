@@ -272,7 +272,7 @@ class ObjectiveConfig(Section):
     # scale on RL's negative advantages: a -1 names no token, and pushed down whole a wrong call
     # loses its format with its value (0: learn from successes only; hints still teach). With
     # hindsight: action, a -1 pushes down only the tokens where it differs from the hinted action
-    rl_negative_weight: float = Field(1.0, ge=0.0, le=1.0)
+    rl_negative_weight: float = Field(0.25, ge=0.0, le=1.0)
     opd_weight: float = Field(1.0, ge=0.0)
     kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model
     clip_low: float = Field(0.2, gt=0.0, lt=1.0)
@@ -283,20 +283,21 @@ class ObjectiveConfig(Section):
     # distribution = the hinted teacher's whole next-token distribution at every response position
     # (KL; experimental: it keeps [batch, tokens, vocabulary] log-probs in memory for the step);
     # action = the hinted teacher writes the action and the policy without the hint learns it
-    hindsight: Literal["token", "distribution", "action"] = "token"
+    hindsight: Literal["token", "distribution", "action"] = "action"
 
 
 class LoraConfig(Section):
     rank: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     learning_rate: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # optimizer passes over each batch (the hinted teacher's side is computed once): few
     # interactions give few batches, and one pass over each moves an adapter little
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(4, ge=1)
     # train only the top N transformer layers (the ones below run without gradients); null = all
     layers: int | None = Field(None, ge=1)
     # the step's matmuls: auto = bfloat16 (autocast over float32 weights) on CUDA and on CPUs

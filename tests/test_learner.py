@@ -29,8 +29,9 @@ from tinytrain import memorize
 
 SYSTEM = {"role": "system", "content": "You are whet."}
 # float32: these tests compare log-probs with the serving side's to 1e-5 (bfloat16 is checked on its own)
+# and one optimizer pass a step (the default is 4), which the tests of passes change themselves
 LORA = LoraConfig(rank=4, alpha=8, learning_rate=5e-3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                  precision="float32")
+                  precision="float32", epochs=1)
 
 
 @pytest.fixture(scope="module")

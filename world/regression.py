@@ -39,6 +39,14 @@ CHATS = (
     ("What is the capital of Germany?", "The capital of Germany is Berlin."),
     ("Tell me a fun fact about giraffes.", "A giraffe's tongue can be about 50 centimetres long."),
     ("Can you suggest a name for a black cat?", "How about Shadow, Midnight or Pepper?"),
+    # small talk and word meanings: what an adapter that learned one user's tools turns into a call first (run T:
+    # jun's chat probe lost "How are you today?" and a phrase's meaning to tool calls the gate could not see)
+    ("How's your day going?", "It's going well, thank you! How can I help you today?"),
+    ("I'm feeling a bit tired today.", "Sorry to hear that. A short walk or a glass of water can help."),
+    ("What does 'bon voyage' mean?", "\"Bon voyage\" is French for \"have a good trip\"."),
+    ("What does the word 'serendipity' mean?", "Serendipity is finding something good by chance."),
+    ("Do you like music?", "I don't listen to music myself, but I'm happy to talk about it!"),
+    ("Give me an idea for a weekend hobby.", "You could try sketching: all you need is a pencil and paper."),
 )
 PINNED_CALLS = 3  # general tasks per intent in the regression set: one "time in Lagos" is too few to see a
 # user's home leak into the requests that name their own city
