@@ -239,13 +239,12 @@ def test_the_shipped_regression_set_is_what_the_world_generates():
 def test_the_shipped_rehearsal_set_is_generated_and_shares_no_request_with_the_regression_set():
     """The gate's regression set checks what training did not see: the rehearsal set that every
     step trains on holds other requests, of the same kinds (general calls, answers, small talk)."""
-    from whet.world.regression import line, records, rehearsal_records
+    from whet.world.regression import asked, line, records, rehearsal_records
 
     shipped = (Path(__file__).parents[1] / "config" / "rehearsal.jsonl").read_text().splitlines()
-    rehearsal = [json.loads(line) for line in shipped]
+    rehearsal = [json.loads(text) for text in shipped]
     assert shipped == [line(r) for r in rehearsal_records()]
-    asked = lambda rs: {json.dumps(r["messages"], sort_keys=True) for r in rs}  # noqa: E731
-    assert not asked(rehearsal) & asked(records())
+    assert not {asked(r) for r in rehearsal} & {asked(r) for r in records()}
     calls = [r for r in rehearsal if r["response"].startswith("<tool_call>")]
     chats = [r for r in rehearsal if r["messages"][-1]["role"] == "user" and "<tool_call>" not in r["response"]]
     assert len(calls) >= 16 and len(chats) >= 12

@@ -94,12 +94,13 @@ def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     per intent over the warm start's wide vocabulary (the first :data:`ANSWERS` intents with their
     answer step too) and :data:`REHEARSAL_CHATS`. A request that is also in the regression set is
     left out."""
-    pinned = {_asked(r) for r in records(seed)}
+    pinned = {asked(r) for r in records(seed)}
     vocab = training_vocabulary(pinned_zones=True)
     yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS, vocab), pinned)
 
 
-def _asked(record: dict[str, Any]) -> str:
+def asked(record: dict[str, Any]) -> str:
+    """What a record asks (its messages), as a key: the two sets share none."""
     return json.dumps(record["messages"], sort_keys=True)
 
 
@@ -107,8 +108,8 @@ def _distinct(records: Iterator[dict[str, Any]], seen: set[str] | None = None) -
     """``records`` without those whose messages are in ``seen`` or came before."""
     seen = set() if seen is None else set(seen)
     for record in records:
-        if (asked := _asked(record)) not in seen:
-            seen.add(asked)
+        if (key := asked(record)) not in seen:
+            seen.add(key)
             yield record
 
 
