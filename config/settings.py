@@ -354,6 +354,11 @@ class LearnerConfig(Section):
     trusted_users: list[str] | None = None
     train: bool = True  # false: judge and keep lessons only, never change weights
     lessons: bool = True  # false: train weights only, keep no lessons
+    # with lessons: a sample trains on its prompt as the agent would build it at the step (the user's
+    # lessons retrieved again, its own among them), so the weights learn to follow what the lessons
+    # say rather than memorise it (needs whet serve's lesson index; `whet learn` trains on prompts
+    # as recorded); false: always as recorded
+    relesson: bool = True
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)

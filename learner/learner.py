@@ -37,7 +37,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean, pvariance
@@ -65,17 +65,20 @@ from whet.learner.judge import (
     RulesJudge,
     Verdict,
 )
-from whet.learner.lesson_check import Generate, LessonCheck
+from whet.learner.lesson_check import Generate, LessonCheck, recall
 from whet.learner.lessons import ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
-from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids
+from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids, last_user_text, relessoned
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import LoraTrainer, Sample, limited_threads, release_memory, training_threads
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
 from whet.memory.index import LessonIndex
 from whet.memory.store import Store
 from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Turn
+
+# (user id, request) -> the lessons the agent would show it now
+Recall = Callable[[str, str], Awaitable[list[str]]]
 
 log = structlog.get_logger()
 
@@ -115,6 +118,7 @@ class Learner:
         pinned: Sequence[PinnedAction] = (),
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         lesson_check: LessonCheck | None = None,
+        recall: Recall | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
         if config.scope == "auto":  # WhetConfig resolves auto from server.api_keys; with none in sight, one user
@@ -138,6 +142,7 @@ class Learner:
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
+        self._recall = recall if config.lessons and config.relesson else None
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -384,8 +389,11 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
+        lessons = None
+        if self._recall is not None:
+            lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) for _, t in batch]
         state = await anyio.to_thread.run_sync(
-            self._step_limited, version, folder, live, batch, held, limiter=self._limiter
+            self._step_limited, version, folder, live, batch, held, lessons, limiter=self._limiter
         )
         await self._finish(version, scope, user_id, folder / version, state)
         return version
@@ -412,8 +420,10 @@ class Learner:
             release_memory()
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
-                   held: list[tuple[int, list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip
-        """Runs in the training thread: replay, one step, replay, save atomically."""
+                   held: list[tuple[int, list[int], list[int]]],
+                   lessons: list[list[str]] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: the
+        lessons each batch turn's request is shown now (None: train on the prompts as recorded)."""
         trainer = self._trainer_now()
         parent = _parent_state(live)
         trainer.reset(Path(live.path) if live else None)
@@ -422,7 +432,8 @@ class Learner:
             if "baseline" in parent
             else RunningBaseline(momentum=self.config.objective.baseline_momentum)
         )
-        samples = [self._sample(trainer, j, t) for j, t in batch]
+        shown_now = lessons if lessons is not None else [None] * len(batch)
+        samples = [self._sample(trainer, j, t, ls) for (j, t), ls in zip(batch, shown_now, strict=True)]
         regression = self._regression or []
         before = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
@@ -490,8 +501,13 @@ class Learner:
         texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
         return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
 
-    def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn) -> Sample:
+    def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None = None) -> Sample:
+        """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
+        the lessons it was served with (a prompt that cannot be rebuilt faithfully stays as recorded)."""
         score, hint = judgment.score, judgment.hint
+        messages, prompt_ids = turn.prompt_messages, turn.prompt_token_ids
+        if lessons is not None:
+            messages, prompt_ids = relessoned(trainer.tokenizer, messages, prompt_ids, lessons) or (messages, prompt_ids)
         if _reads_tool_results(turn):
             # An answer written from tool results said what the tools returned: a correction of
             # it is a correction of the call that fed it, which gets this verdict by credit. So
@@ -500,10 +516,10 @@ class Learner:
             score, hint = max(score, 0), None
         teacher = None
         if hint:
-            teacher = hinted_prompt_ids(trainer.tokenizer, turn.prompt_messages, turn.prompt_token_ids, hint)
+            teacher = hinted_prompt_ids(trainer.tokenizer, messages, prompt_ids, hint)
         return Sample(
             turn_id=turn.id,
-            prompt_ids=turn.prompt_token_ids,
+            prompt_ids=prompt_ids,
             response_ids=turn.response_token_ids,
             behaviour_logprobs=turn.response_logprobs,
             score=score,
@@ -720,4 +736,5 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
         if rehearsal else None,
         lesson_check=check,
+        recall=(lambda user_id, query: recall(index, config.agent, user_id, query)) if index is not None else None,
     )

@@ -32,6 +32,20 @@ from whet.memory.index import LessonHit, LessonIndex, shown
 Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
 
 
+async def recall(index: LessonIndex, agent: AgentConfig, user_id: str, query: str) -> list[str]:
+    """The lessons the agent shows ``user_id``'s request ``query``: the nearest, by its rule
+    (:func:`~whet.memory.index.shown`)."""
+    if agent.lessons_k == 0 or not query or len(index) == 0:
+        return []
+    hits = await anyio.to_thread.run_sync(index.search, user_id, query, agent.lessons_k)
+    return [hit.text for hit in _shown(agent, hits)]
+
+
+def _shown(agent: AgentConfig, hits: Sequence[LessonHit]) -> list[LessonHit]:
+    a = agent
+    return shown(hits, min_score=a.lessons_min_score, margin=a.lessons_margin, token_budget=a.lesson_token_budget)
+
+
 class LessonCheck:
     def __init__(self, pinned: Sequence[PinnedTurn], index: LessonIndex, agent: AgentConfig, generate: Generate) -> None:
         self.pinned = list(pinned)
@@ -53,11 +67,11 @@ class LessonCheck:
                 continue
             hits = await anyio.to_thread.run_sync(self.index.search, user_id, request, self.agent.lessons_k)
             new = LessonHit(-1, user_id, text, score)
-            with_it = self._shown(sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
+            with_it = _shown(self.agent, sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
             if new not in with_it:
                 continue
             reply = await self._answer(user_id, turn, with_it)
-            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, self._shown(hits))):
+            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, _shown(self.agent, hits))):
                 continue
             broken.append(f"{request} -> {reply.strip()}")
         return broken
@@ -68,10 +82,6 @@ class LessonCheck:
         if self._vectors is None:
             self._vectors = embedder.embed(self._requests)  # [n, d], unit rows
         return self._vectors @ embedder.embed([text])[0]  # [n]
-
-    def _shown(self, hits: Sequence[LessonHit]) -> list[LessonHit]:
-        a = self.agent
-        return shown(hits, min_score=a.lessons_min_score, margin=a.lessons_margin, token_budget=a.lesson_token_budget)
 
     async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
         """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent

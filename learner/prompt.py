@@ -191,6 +191,33 @@ def prompt_with_lessons(messages: Sequence[dict[str, Any]], lessons: Sequence[st
     return [{"role": "system", "content": with_lessons(system, lessons)}, *rest]
 
 
+def relessoned(tokenizer: Any, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
+               lessons: Sequence[str]) -> tuple[list[dict[str, Any]], list[int]] | None:  # fmt: skip
+    """A recorded prompt (``messages`` as the agent sent them, and their ``prompt_ids``) with its
+    lessons replaced by ``lessons``: the prompt the agent would build for the same request now.
+
+    The recorded ids are decoded, the system prompt's text swapped, and the whole encoded again
+    (tool schemas stay as recorded; the turn does not keep them). Returns None when that cannot be
+    done faithfully: no system message, ids that do not survive decoding and encoding again (another
+    tokenizer's merges), or a system text not found in them; the caller keeps the recorded prompt.
+    """
+    if not messages or messages[0].get("role") != "system":
+        return None
+    old = content_text(messages[0].get("content"))
+    if not old:  # nothing to find it by
+        return None
+    base = old.split(LESSONS_HEADER, 1)[0]
+    new = with_lessons(base, lessons)
+    if new == old:
+        return list(messages), list(prompt_ids)
+    text = tokenizer.decode(list(prompt_ids))
+    at = text.find(old)
+    if at < 0 or tokenizer.encode(text, add_special_tokens=False) != list(prompt_ids):
+        return None
+    ids = tokenizer.encode(text[:at] + new + text[at + len(old):], add_special_tokens=False)
+    return [{**messages[0], "content": new}, *messages[1:]], ids
+
+
 HINT_TEMPLATE = "\n\n[hint] {hint}"  # how a hint joins the user's message in the teacher's context
 
 

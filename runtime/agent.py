@@ -28,9 +28,10 @@ import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
+from whet.learner.lesson_check import recall
 from whet.learner.prompt import canonical_arguments, last_user_text, prompt_with_lessons
 from whet.memory.experience import Experience
-from whet.memory.index import LessonIndex, shown
+from whet.memory.index import LessonIndex
 from whet.memory.tables import Approval, Turn, TurnCreate, new_turn_id, utcnow
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.approvals import ApprovalPolicy, approval_call, outcome, unrun_result
@@ -302,12 +303,7 @@ class Agent:
         return messages
 
     async def _lessons(self, user_id: str, query: str) -> list[str]:
-        if self.config.lessons_k == 0 or not query or len(self.index) == 0:
-            return []
-        hits = await anyio.to_thread.run_sync(self.index.search, user_id, query, self.config.lessons_k)
-        c = self.config
-        return [hit.text for hit in shown(hits, min_score=c.lessons_min_score, margin=c.lessons_margin,
-                                          token_budget=c.lesson_token_budget)]  # fmt: skip
+        return await recall(self.index, self.config, user_id, query)
 
     async def _tool_specs(self, request: TurnRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if starting := await self.tools.settle():

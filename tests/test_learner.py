@@ -16,7 +16,7 @@ from whet.learner.judge import RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
 from whet.learner.model import stop_token_ids
 from whet.learner.objective import blamed_tokens, build_objective, objective_from_config
-from whet.learner.prompt import hinted_prompt_ids, prompt_text
+from whet.learner.prompt import hinted_prompt_ids, prompt_text, prompt_with_lessons, relessoned
 from whet.learner.registry import AdapterRegistry
 from whet.learner.tiny import build_tiny_model
 from whet.learner.trainer import LoraTrainer, Sample
@@ -370,6 +370,56 @@ async def test_the_gate_rejects_a_candidate_trained_on_inverted_rewards(tiny_mod
     assert (gate["preference_margin"] > 0) is accepted
     live = await store.live_adapter("global")
     assert (live.id if live else None) == (version if accepted else None)
+
+
+TIME_TOOL = {"type": "function", "function": {"name": "now", "description": "The time in a city.",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_a_recorded_prompt_relessoned_is_the_prompt_the_agent_would_build_with_the_lessons_it_shows_now(tiny_model):
+    tokenizer = new_trainer(tiny_model).tokenizer
+    asked = [SYSTEM, {"role": "user", "content": "What time is it back home?"}]
+
+    def served(lessons: list[str]) -> tuple[list[dict], list[int]]:
+        messages = prompt_with_lessons(asked, lessons, "unused")
+        return messages, tokenizer.encode(prompt_text(tokenizer, messages, [TIME_TOOL]), add_special_tokens=False)
+
+    then = served(["Dad lives in Honolulu."])
+    for now in (["The user meant Seoul time.", "Dad lives in Honolulu."], [], ["Dad lives in Honolulu."]):
+        assert relessoned(tokenizer, *then, now) == served(now)  # the tool schemas kept as recorded
+    assert relessoned(tokenizer, asked[1:], then[1], ["x"]) is None  # no system prompt to put them in
+    # ids another tokenizer split differently do not survive decoding: the recorded prompt stays
+    at = next(i for i, t in enumerate(then[1]) if len(tokenizer.decode([t])) > 1 and tokenizer.decode([t]).isalpha())
+    chars = [i for c in tokenizer.decode([then[1][at]]) for i in tokenizer.encode(c, add_special_tokens=False)]
+    split = then[1][:at] + chars + then[1][at + 1:]
+    assert tokenizer.decode(split) == tokenizer.decode(then[1]) and relessoned(tokenizer, then[0], split, []) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("relesson", [True, False])
+async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now(
+    tiny_model, tmp_path, store, monkeypatch, relesson
+):
+    asked, trained = [], []
+
+    async def recall(user_id: str, query: str) -> list[str]:
+        asked.append((user_id, query))
+        return [f"The user meant Seoul time ({query})"]
+
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: trained.extend(samples) or {})
+    learner = make_learner(learner_config(relesson=relesson), store, MemoryBus(), tiny_model, tmp_path, recall=recall)
+    encoder = new_trainer(tiny_model)
+    for q in QUESTIONS:
+        await judged_turn(store, encoder, q, GOOD, +1, "train")
+    await learner.train_ready()
+    prompts = [encoder.tokenizer.decode(s.prompt_ids) for s in trained]
+    assert len(prompts) == 4
+    if relesson:
+        assert sorted(asked) == sorted(("alice", q) for q in QUESTIONS)
+        assert sorted(prompts) == sorted(prompt_text(encoder.tokenizer, prompt_with_lessons(
+            [SYSTEM, {"role": "user", "content": q}], [f"The user meant Seoul time ({q})"], ""), None) for q in QUESTIONS)
+    else:
+        assert asked == [] and not any("Seoul" in p for p in prompts)
 
 
 @pytest.fixture(scope="module")
