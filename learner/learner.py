@@ -452,6 +452,8 @@ class Learner:
             "user_id": self._owner(batch[0][0]),
             "parent": live.id if live else None,
             "batch": [s.turn_id for s in samples],
+            # samples trained on a prompt with other lessons than they were served with
+            "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, batch, strict=True)),
             "baseline": baseline.to_dict(),
             "train": stats,
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],

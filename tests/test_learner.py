@@ -411,7 +411,9 @@ async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now
     encoder = new_trainer(tiny_model)
     for q in QUESTIONS:
         await judged_turn(store, encoder, q, GOOD, +1, "train")
-    await learner.train_ready()
+    [version] = await learner.train_ready()
+    state = json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+    assert state["relessoned"] == (4 if relesson else 0)
     prompts = [encoder.tokenizer.decode(s.prompt_ids) for s in trained]
     assert len(prompts) == 4
     if relesson:
