@@ -42,8 +42,8 @@ async def recall(index: LessonIndex, agent: AgentConfig, user_id: str, query: st
 
 
 def _shown(agent: AgentConfig, hits: Sequence[LessonHit]) -> list[LessonHit]:
-    a = agent
-    return shown(hits, min_score=a.lessons_min_score, margin=a.lessons_margin, token_budget=a.lesson_token_budget)
+    return shown(hits, min_score=agent.lessons_min_score, margin=agent.lessons_margin,
+                 token_budget=agent.lesson_token_budget)
 
 
 class LessonCheck:
