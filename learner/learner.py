@@ -65,7 +65,7 @@ from whet.learner.judge import (
     RulesJudge,
     Verdict,
 )
-from whet.learner.lesson_check import Generate, LessonCheck, recall
+from whet.learner.lesson_check import Generate, LessonCheck
 from whet.learner.lessons import ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
@@ -73,7 +73,7 @@ from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids, last_user_tex
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import LoraTrainer, Sample, limited_threads, release_memory, training_threads
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
-from whet.memory.index import LessonIndex
+from whet.memory.index import LessonIndex, recall
 from whet.memory.store import Store
 from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Turn
 
@@ -389,9 +389,9 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
-        lessons = None
-        if self._recall is not None:
-            lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) for _, t in batch]
+        # the lessons each request is shown now; None: train on the prompt as recorded
+        lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
+                   for _, t in batch]
         state = await anyio.to_thread.run_sync(
             self._step_limited, version, folder, live, batch, held, lessons, limiter=self._limiter
         )
@@ -421,9 +421,9 @@ class Learner:
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]],
-                   lessons: list[list[str]] | None = None) -> dict[str, Any]:  # fmt: skip
-        """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: the
-        lessons each batch turn's request is shown now (None: train on the prompts as recorded)."""
+                   lessons: list[list[str] | None]) -> dict[str, Any]:  # fmt: skip
+        """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
+        batch turn, :meth:`_sample`'s."""
         trainer = self._trainer_now()
         parent = _parent_state(live)
         trainer.reset(Path(live.path) if live else None)
@@ -432,8 +432,7 @@ class Learner:
             if "baseline" in parent
             else RunningBaseline(momentum=self.config.objective.baseline_momentum)
         )
-        shown_now = lessons if lessons is not None else [None] * len(batch)
-        samples = [self._sample(trainer, j, t, ls) for (j, t), ls in zip(batch, shown_now, strict=True)]
+        samples = [self._sample(trainer, j, t, shown) for (j, t), shown in zip(batch, lessons, strict=True)]
         regression = self._regression or []
         before = trainer.mean_logprobs([(p, r) for _, p, r in held])
         reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
@@ -503,7 +502,7 @@ class Learner:
         texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
         return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
 
-    def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None = None) -> Sample:
+    def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None) -> Sample:
         """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
         the lessons it was served with (a prompt that cannot be rebuilt faithfully stays as recorded)."""
         score, hint = judgment.score, judgment.hint

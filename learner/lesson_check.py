@@ -26,24 +26,10 @@ import numpy as np
 from whet.config.settings import AgentConfig
 from whet.learner.gate import PinnedTurn
 from whet.learner.prompt import last_user_text, prompt_with_lessons
-from whet.memory.index import LessonHit, LessonIndex, shown
+from whet.memory.index import LessonHit, LessonIndex, agent_shown
 
 # (user id, messages, tools, max new tokens) -> the served model's greedy reply, tool-call markup included
 Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
-
-
-async def recall(index: LessonIndex, agent: AgentConfig, user_id: str, query: str) -> list[str]:
-    """The lessons the agent shows ``user_id``'s request ``query``: the nearest, by its rule
-    (:func:`~whet.memory.index.shown`)."""
-    if agent.lessons_k == 0 or not query or len(index) == 0:
-        return []
-    hits = await anyio.to_thread.run_sync(index.search, user_id, query, agent.lessons_k)
-    return [hit.text for hit in _shown(agent, hits)]
-
-
-def _shown(agent: AgentConfig, hits: Sequence[LessonHit]) -> list[LessonHit]:
-    return shown(hits, min_score=agent.lessons_min_score, margin=agent.lessons_margin,
-                 token_budget=agent.lesson_token_budget)
 
 
 class LessonCheck:
@@ -67,11 +53,11 @@ class LessonCheck:
                 continue
             hits = await anyio.to_thread.run_sync(self.index.search, user_id, request, self.agent.lessons_k)
             new = LessonHit(-1, user_id, text, score)
-            with_it = _shown(self.agent, sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
+            with_it = agent_shown(self.agent, sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
             if new not in with_it:
                 continue
             reply = await self._answer(user_id, turn, with_it)
-            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, _shown(self.agent, hits))):
+            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, agent_shown(self.agent, hits))):
                 continue
             broken.append(f"{request} -> {reply.strip()}")
         return broken

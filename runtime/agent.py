@@ -28,10 +28,9 @@ import numpy as np
 import structlog
 
 from whet.config.settings import AgentConfig
-from whet.learner.lesson_check import recall
 from whet.learner.prompt import canonical_arguments, last_user_text, prompt_with_lessons
 from whet.memory.experience import Experience
-from whet.memory.index import LessonIndex
+from whet.memory.index import LessonIndex, recall
 from whet.memory.tables import Approval, Turn, TurnCreate, new_turn_id, utcnow
 from whet.runtime.adapters import AdapterRouter
 from whet.runtime.approvals import ApprovalPolicy, approval_call, outcome, unrun_result
