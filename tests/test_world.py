@@ -248,3 +248,15 @@ def test_the_shipped_rehearsal_set_is_generated_and_shares_no_request_with_the_r
     calls = [r for r in rehearsal if r["response"].startswith("<tool_call>")]
     chats = [r for r in rehearsal if r["messages"][-1]["role"] == "user" and "<tool_call>" not in r["response"]]
     assert len(calls) >= 16 and len(chats) >= 12
+
+
+@pytest.mark.parametrize("profile", [PROFILE, load_profile(Path("config/profiles/commuter.yaml"))],
+                         ids=lambda p: p.name)
+def test_the_users_first_personal_requests_touch_every_preference_once_each_person_included(profile):
+    for seed in range(5):
+        tasks = World(profile, seed).training_tasks(40)
+        personal = [t for t in tasks if t.personal]
+        first = personal[: len(PERSONAL) - 1 + len(profile.people)]
+        assert [t.intent for t in first if t.intent != "time_person"] == [i for i in PERSONAL if i != "time_person"]
+        assert sorted(t.meta["person"] for t in first if t.intent == "time_person") == sorted(profile.people)
+        assert {t.intent for t in tasks} - set(PERSONAL)  # general requests still come in between

@@ -24,7 +24,7 @@ import math
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, timedelta
 from importlib import resources
 from pathlib import Path
@@ -528,14 +528,21 @@ class World:
         return random.Random(f"{self.seed}:{stream}:{self.profile.name}")
 
     def training_tasks(self, n: int) -> list[Task]:
+        """The user's requests in order. Their first personal requests touch each preference once
+        (each person's city is one, as is home), in :data:`PERSONAL`'s order; after that intents are
+        drawn at random. A checkpoint after the first round then measures learning from what the
+        user has said, not whether the draw happened to ask about everyone yet."""
         rng = self._rng("training")
+        first = [(intent, self.profile) for intent in PERSONAL if intent != "time_person"]
+        first[1:1] = [("time_person", replace(self.profile, people={person: city}))
+                      for person, city in sorted(self.profile.people.items())]  # fmt: skip
         out = []
-        for i in range(n):
+        for _ in range(n):
             if rng.random() < self.personal_share:
-                intent = PERSONAL[i % len(PERSONAL)] if i < len(PERSONAL) else rng.choice(PERSONAL)
+                intent, profile = first.pop(0) if first else (rng.choice(PERSONAL), self.profile)
+                out.append(make_task(intent, rng, profile))
             else:
-                intent = rng.choice(GENERAL)
-            out.append(make_task(intent, rng, self.profile))
+                out.append(make_task(rng.choice(GENERAL), rng, self.profile))
         return out
 
     def heldout_tasks(self, n: int) -> list[Task]:
