@@ -533,9 +533,9 @@ class World:
         drawn at random. A checkpoint after the first round then measures learning from what the
         user has said, not whether the draw happened to ask about everyone yet."""
         rng = self._rng("training")
-        first = [(intent, self.profile) for intent in PERSONAL if intent != "time_person"]
-        first[1:1] = [("time_person", replace(self.profile, people={person: city}))
-                      for person, city in sorted(self.profile.people.items())]  # fmt: skip
+        each_person = [replace(self.profile, people={person: city}) for person, city in sorted(self.profile.people.items())]
+        first = [(intent, profile) for intent in PERSONAL
+                 for profile in (each_person if intent == "time_person" else [self.profile])]  # fmt: skip
         out = []
         for _ in range(n):
             if rng.random() < self.personal_share:
