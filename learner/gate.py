@@ -112,15 +112,21 @@ def load_regression_set(path: Path, tokenizer: Any,
     """(prompt ids, response ids) for each line of a JSONL file of ``{"messages": [...], "response": "...",
     "tools": [...]}`` (``tools``, OpenAI function specs the prompt lists, is optional). ``key``: the
     setting that named the file, for errors (the rehearsal set has the same format)."""
+    return encode_records(read_records(path, key), tokenizer)
+
+
+def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of records :func:`read_records` read."""
     end = tokenizer.eos_token or ""
     items = []
-    for record in _records(path, key):
+    for record in records:
         prompt = tokenizer.encode(prompt_text(tokenizer, record["messages"], record.get("tools")), add_special_tokens=False)
         items.append((prompt, tokenizer.encode(record["response"] + end, add_special_tokens=False)))
     return items
 
 
-def _records(path: Path, key: str) -> list[dict[str, Any]]:
+def read_records(path: Path, key: str = "learner.gate.regression_set") -> list[dict[str, Any]]:
+    """The lines of a regression (or rehearsal) set, checked; ``key`` names the setting in errors."""
     try:
         lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -222,4 +228,9 @@ class PinnedTurn:
 
 def load_pinned_turns(path: Path, key: str = "learner.gate.regression_set") -> list[PinnedTurn]:
     """:class:`PinnedTurn` of each line of a regression set (in the order of :func:`load_regression_set`)."""
-    return [PinnedTurn(r["messages"], r.get("tools"), r["response"], PinnedAction.of(r)) for r in _records(path, key)]
+    return pinned_turns(read_records(path, key))
+
+
+def pinned_turns(records: Sequence[dict[str, Any]]) -> list[PinnedTurn]:
+    """:class:`PinnedTurn` of records :func:`read_records` read."""
+    return [PinnedTurn(r["messages"], r.get("tools"), r["response"], PinnedAction.of(r)) for r in records]

@@ -51,8 +51,10 @@ from whet.learner.gate import (
     PinnedAction,
     PromotionGate,
     Replayed,
-    load_pinned_turns,
+    encode_records,
     load_regression_set,
+    pinned_turns,
+    read_records,
 )
 from whet.learner.judge import (
     TOOL_FAILED,
@@ -718,7 +720,8 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
             source = resolve_source(config.model.id, config.data_path)
             return LoraTrainer.load(source, learner.lora, objective, device=learner.device, dtype=config.model.dtype)
 
-    pinned = load_pinned_turns(regression) if regression else []
+    records = read_records(regression) if regression else []  # read once: the gate's set and the lesson check's turns
+    pinned = pinned_turns(records)
     check = None
     if learner.gate.check_lessons and learner.lessons and pinned:
         if index is not None and generate is not None:
@@ -732,7 +735,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         judge,
         AdapterRegistry(store, bus, config.data_path / "adapters"),
         trainer=trainer,
-        regression=(lambda tokenizer: load_regression_set(regression, tokenizer)) if regression else None,
+        regression=(lambda tokenizer: encode_records(records, tokenizer)) if regression else None,
         pinned=[turn.action for turn in pinned],
         rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
         if rehearsal else None,
