@@ -175,6 +175,12 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
             "machine", "wall_s", "arms"} <= set(report)  # fmt: skip
     assert report["base_success"] == 0.5 and report["profile"] == "default"
     assert report["machine"]["cpu_count"] >= 1
+    import torch
+
+    from whet.learner.trainer import use_bfloat16
+
+    # the precision the arms' learners train in, as they pick it
+    assert report["machine"]["cpu_trains_bfloat16"] == use_bfloat16("auto", torch.device("cpu"))
     assert report["command"].startswith("whet bench learn ") and "--arms static,memory_lora" in report["command"]
     headline = report["arms"]["memory_lora"]
     assert headline["interactions_to_0_9"] == 6 and headline["final_success"] == 1.0

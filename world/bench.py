@@ -608,13 +608,30 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
 
 
 def _machine() -> dict[str, Any]:
+    import torch
+
+    from whet.learner.trainer import use_bfloat16
+
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        # what learner.lora.precision: auto trains in on this CPU: bfloat16 where it has native bfloat16
+        # matmuls (AVX512-BF16, AMX), about twice as fast; the arms' times are read against it
+        "cpu_trains_bfloat16": use_bfloat16("auto", torch.device("cpu")),
         "python": platform.python_version(),
         "torch": metadata.version("torch"),
     }
+
+
+def _cpu_name() -> str | None:
+    """The CPU's model name (Linux), or None."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
