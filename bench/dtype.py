@@ -145,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plan.tokens, plan.prefill_tokens, plan.repeats, args.train_batch, steps = 6, 32, 1, 2, 1
     source = model_source(plan)
-    results = {dtype: asyncio.run(one(source, args.device, dtype, plan, args.train_batch, steps)) for dtype in dtypes}
+    command = "python bench/dtype.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results: dict[str, dict] = {}
+    # each dtype's figures are printed and written as it ends: a run cut off at a time limit keeps what it measured
+    for dtype in dtypes:
+        results[dtype] = r = asyncio.run(one(source, args.device, dtype, plan, args.train_batch, steps))
+        print(f"{dtype}: prefill {r['prefill_tokens_per_s']:.0f} tokens/s, decode {r['decode_tokens_per_s']:.1f}, "
+              f"train {r['train_tokens_per_s']:.0f}, log-prob error max {r['logprob_error_max']:.2e}", flush=True)
+        if args.json:
+            left = dtypes[len(results):]
+            args.json.write_text(json.dumps({"command": command, "plan": asdict(plan), "dtypes": results,
+                                             **({"not_yet_measured": left} if left else {})}, indent=2) + "\n")  # fmt: skip
 
     first = next(iter(results.values()))["machine"]
     table = Table(title=f"model.dtype on {args.model} ({first['device']} {first['device_name']})")
@@ -159,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         values = [r["tokens_per_s"][name.split("@")[1]] if "@" in name else r[name] for r in results.values()]
         table.add_row(name, *(fmt.format(v) for v in values))
     Console(width=120).print(table)
-    command = "python bench/dtype.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"reproduce: {command}")
-    if args.json:
-        args.json.write_text(json.dumps({"command": command, "plan": asdict(plan), "dtypes": results}, indent=2) + "\n")
     return 0
 
 
