@@ -540,9 +540,9 @@ class World:
         for _ in range(n):
             if rng.random() < self.personal_share:
                 intent, profile = first.pop(0) if first else (rng.choice(PERSONAL), self.profile)
-                out.append(make_task(intent, rng, profile))
             else:
-                out.append(make_task(rng.choice(GENERAL), rng, self.profile))
+                intent, profile = rng.choice(GENERAL), self.profile
+            out.append(make_task(intent, rng, profile))
         return out
 
     def heldout_tasks(self, n: int) -> list[Task]:
