@@ -30,7 +30,6 @@ import asyncio
 import ctypes
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from perf import messages  # noqa: E402  (the same prompts as bench/perf.py)
 
 from whet.learner.prompt import prompt_text  # noqa: E402
+from whet.learner.trainer import cpu_name  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8)
 
@@ -169,7 +169,7 @@ def main() -> int:
     for name in names:
         print(f"{name:24} " + " ".join(f"{r[name]:>24.2f}" for r in results.values()))
     command = shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv])
-    print(f"reproduce: {command}  ({platform.processor() or platform.machine()}, {args.threads} threads)")
+    print(f"reproduce: {command}  ({cpu_name()}, {args.threads} threads)")
     if args.json:
         args.json.write_text(json.dumps({"command": command, "threads": args.threads, "results": results}, indent=2))
     return 0

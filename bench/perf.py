@@ -57,6 +57,7 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
+from whet.learner.trainer import cpu_name
 from whet.runtime.hf import TransformersBackend
 from whet.runtime.policy import SamplingParams
 from whet.runtime.prefix import PrefixCache
@@ -150,7 +151,7 @@ async def measure(backend: TransformersBackend, plan: Plan, report: Report) -> R
 
 def machine(backend: TransformersBackend) -> dict[str, object]:
     device = backend.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {
         "device": str(device), "device_name": name, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "dtype": str(backend.model.dtype).removeprefix("torch."), "torch": torch.__version__,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import statistics
 import tempfile
 import threading
@@ -27,7 +26,7 @@ import torch
 from whet.config.settings import LoraConfig
 from whet.learner.objective import build_objective
 from whet.learner.tiny import build_tiny_model
-from whet.learner.trainer import LoraTrainer, Sample, limited_threads, training_threads
+from whet.learner.trainer import LoraTrainer, Sample, cpu_name, limited_threads, training_threads
 from whet.runtime.hf import TransformersBackend
 from whet.runtime.policy import SamplingParams
 
@@ -99,7 +98,7 @@ async def measure(model: Path, requests: int, size: int, threads: int | None = N
 async def main(requests: int, size: int, threads: int | None, device: str, dtype: str) -> None:
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "model")
     m = await measure(model, requests, size, threads, device=device, dtype=dtype)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads")
+    print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads")
     idle = m["serving_p50_idle_ms"]
     print(f"chat latency p50, learner idle:     {idle:.1f} ms ({requests} requests, 32 new tokens)")
     print(f"chat latency p50, training steps:   {m['serving_p50_training_ms']:.1f} ms ({m['train_steps']} steps of "

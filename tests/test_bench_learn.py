@@ -179,8 +179,11 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
 
     from whet.learner.trainer import use_bfloat16
 
-    # the precision the arms' learners train in, as they pick it
+    # the precision the arms' learners train in, as they pick it; a set precision is what they train in
     assert report["machine"]["cpu_trains_bfloat16"] == use_bfloat16("auto", torch.device("cpu"))
+    for precision, bf16 in (("float32", False), ("bfloat16", True)):
+        assert build_report(plan, "default", results, wall_s=1.0, precision=precision)["machine"]["cpu_trains_bfloat16"] is bf16
+    assert report["machine"]["cpu"]  # the CPU's model name where the OS gives one, else its architecture
     assert report["command"].startswith("whet bench learn ") and "--arms static,memory_lora" in report["command"]
     headline = report["arms"]["memory_lora"]
     assert headline["interactions_to_0_9"] == 6 and headline["final_success"] == 1.0

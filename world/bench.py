@@ -553,7 +553,8 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     else:
         shutil.rmtree(scratch, ignore_errors=True)
     report = build_report(plan, profile.name, results, time.perf_counter() - started,
-                          heldout_distinct=len({task.text for task in tasks.heldout}))
+                          heldout_distinct=len({task.text for task in tasks.heldout}),
+                          precision=config.learner.lora.precision)
     plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, plan.plot_path)
     _print_table(report, plan)
@@ -578,11 +579,12 @@ def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path
 
 
 def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s: float, *,
-                 heldout_distinct: int | None = None) -> dict[str, Any]:  # fmt: skip
+                 heldout_distinct: int | None = None, precision: str = "auto") -> dict[str, Any]:  # fmt: skip
     """The JSON the bench writes. Top-level general skill is the arm that changes most
     (``memory_lora`` when it ran); ``base_success`` is the shared start, averaged over arms.
     ``heldout_distinct``: how many different requests the held-out tasks are (a request drawn
-    twice is answered the same way twice at temperature 0, so it weighs twice)."""
+    twice is answered the same way twice at temperature 0, so it weighs twice). ``precision``: the
+    arms' ``learner.lora.precision``, for what the machine trains in."""
     arms = {r.name: r.to_json() for r in results}
     headline = next((r for r in results if r.name == "memory_lora"), results[-1])
     return {
@@ -600,38 +602,29 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "chat_before": headline.chat_before,
         "chat_after": headline.chat_after,
         "command": plan.command(),
-        "machine": _machine(),
+        "machine": _machine(precision),
         "wall_s": round(wall_s, 1),
         "learner": {**LEARNER_OVERRIDES, "lora": {**LORA_OVERRIDES, "learning_rate": plan.lora_lr}},
         "arms": arms,
     }
 
 
-def _machine() -> dict[str, Any]:
+def _machine(precision: str) -> dict[str, Any]:
     import torch
 
-    from whet.learner.trainer import use_bfloat16
+    from whet.learner.trainer import cpu_name, use_bfloat16
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
-        # what learner.lora.precision: auto trains in on this CPU: bfloat16 where it has native bfloat16
-        # matmuls (AVX512-BF16, AMX), about twice as fast; the arms' times are read against it
-        "cpu_trains_bfloat16": use_bfloat16("auto", torch.device("cpu")),
+        # what the arms' learners train in on this CPU (learner.lora.precision; auto: bfloat16 where the
+        # CPU has native bfloat16 matmuls, AVX512-BF16 or AMX, about twice as fast): arm times turn on it
+        "cpu_trains_bfloat16": use_bfloat16(precision, torch.device("cpu")),
         "python": platform.python_version(),
         "torch": metadata.version("torch"),
     }
-
-
-def _cpu_name() -> str | None:
-    """The CPU's model name (Linux), or None."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return None
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
