@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--jobs", type=_positive, help="arms run at once, each pinned to its share of the CPU cores "
                           "(default: one per core, at most one per arm)")  # fmt: skip
     learning.add_argument("--idle-timeout", type=_positive, metavar="SECONDS",
-                          help="longest wait at a checkpoint for the learner to train what it was given (default 900)")  # fmt: skip
+                          help="longest a checkpoint waits on a busy learner that shows no progress (no new verdict, "
+                          "lesson or training step; default 900)")  # fmt: skip
     learning.set_defaults(run=_bench_learn)
     perf = bench_sub.add_parser("perf", help="every performance figure (bench/perf.py: serving, swaps, lessons, "
                                 "adapters, store, bus, training); its own options follow, see --help there",

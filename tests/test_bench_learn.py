@@ -128,7 +128,7 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     assert all(n == 1 and params == {"temperature": 0, "store": False} for (n, params), in evaluated)
 
 
-def test_a_learner_still_busy_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):
+def test_a_busy_learner_without_progress_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):
     class NeverIdle(FakeServer):
         def health(self) -> dict[str, Any]:
             return {**super().health(), "learner": {"judged": 9, "busy": True}}
@@ -136,9 +136,82 @@ def test_a_learner_still_busy_past_the_plans_idle_timeout_stops_the_bench_with_t
     plan = make_plan(tmp_path, idle_timeout_s=0.3)
     tasks = Tasks([FakeTask("t0")], [FakeTask("h0")], [FakeTask("g0")], [])
     started = time.monotonic()
-    with pytest.raises(BenchError, match=r"still busy after 0s \(judged=9\).*--idle-timeout"):
+    with pytest.raises(BenchError, match=r"busy with no progress for 0s \(judged=9\).*--idle-timeout"):
         run_arm("memory", NeverIdle(needed=1), tasks, FakeUser(), plan, settle_s=0, advance=lambda n: None)
     assert time.monotonic() - started < 5
+
+
+def test_a_slow_learner_that_keeps_making_progress_is_waited_for_past_the_idle_timeout(tmp_path):
+    from whet.world.bench import wait_idle
+
+    class Slow(FakeServer):
+        """Busy for 1.2 s, finishing a step every 0.2 s: six times the 0.2 s timeout in all."""
+
+        def __init__(self) -> None:
+            super().__init__(needed=0)
+            self.started = time.monotonic()
+
+        def health(self) -> dict[str, Any]:
+            elapsed = time.monotonic() - self.started
+            return {"status": "ok", "learner": {"steps": int(elapsed / 0.2), "busy": elapsed < 1.2}}
+
+    server = Slow()
+    wait_idle(server, settle_s=0, timeout_s=0.3)
+    assert time.monotonic() - server.started >= 1.2
+
+
+def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch):
+    import contextlib
+    import threading
+
+    import whet.world.bench as bench
+
+    class Arm:
+        """An arm's server: answers every request after ``delay_s``, or fails on its first one."""
+
+        def __init__(self, name: str, delay_s: float = 0.0, fails: bool = False) -> None:
+            self.name, self.delay_s, self.fails, self.chats = name, delay_s, fails, 0
+
+        def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+            if self.fails:
+                raise BenchError(f"POST /v1/chat/completions failed (500): {self.name} broke\nthe log's tail")
+            self.chats += 1
+            time.sleep(self.delay_s)
+            return "I am not sure."
+
+        def tool_calls(self, session: str) -> list[Any]:
+            return []
+
+        def health(self) -> dict[str, Any]:
+            return {"status": "ok", "adapter": None, "learner": None}
+
+    # lora is quick and finishes; static then starts on its core and fails at once; memory_lora, slow,
+    # is still going then and stops; memory never gets to start
+    arms = {"lora": Arm("lora"), "memory_lora": Arm("memory_lora", delay_s=0.02), "static": Arm("static", fails=True),
+            "memory": Arm("memory")}  # fmt: skip
+    started: list[str] = []
+    lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def served(config: dict[str, Any], arm_dir: Path, whet: Any, cores: Any = None):
+        with lock:
+            started.append(arm_dir.name)
+        yield f"http://127.0.0.1:9/{arm_dir.name}"
+
+    monkeypatch.setattr(bench, "served", served)
+    monkeypatch.setattr(bench, "HttpArmClient", lambda http, user: arms[http.base_url.path.strip("/")])
+    monkeypatch.setattr(bench, "base_model", lambda model, config, prepare: model)
+    plan = make_plan(tmp_path, interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
+    with pytest.raises(BenchError, match=r"arm static failed: POST .*static broke\nthe log's tail\n\(the arms that finished, lora, are in "):
+        bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"])
+    # memory_lora stopped long before its 200 interactions (3 requests each, corrected twice)
+    assert 0 < arms["memory_lora"].chats < 200
+    assert "memory" not in started and arms["memory"].chats == 0
+    report = json.loads(plan.json_path.read_text())
+    assert list(report["arms"]) == ["lora"] and len(report["arms"]["lora"]["curve"]) == 2
+    assert report["failed"] == {"static": "POST /v1/chat/completions failed (500): static broke"}
+    assert report["not_finished"] == ["memory", "memory_lora"]
+    assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_an_arm_without_a_learner_skips_its_interactions_and_is_measured_at_the_start_and_the_end(tmp_path):

@@ -31,10 +31,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -70,7 +71,7 @@ THRESHOLD = 0.9
 EVAL_CONCURRENCY = 8  # held-out, general and chat-probe requests in flight at once
 REPLIES = 2  # the user's replies in one interaction: to the answer, and to the retry after a correction
 START_TIMEOUT_S = 300.0  # model load and MCP servers starting
-IDLE_TIMEOUT_S = 900.0  # the learner finishing what an interaction block gave it
+IDLE_TIMEOUT_S = 900.0  # a busy learner showing no progress (no verdict, lesson or step) this long has stalled
 REQUEST_TIMEOUT_S = 600.0  # one chat request, every agent step included
 POLL_S = 0.1
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -78,6 +79,15 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 class BenchError(Exception):
     """The bench cannot go on; the message says why (and, for a server, ends with its log tail)."""
+
+
+class ArmStopped(BenchError):
+    """An arm stopped early because another arm failed: the run is over, its time is not spent."""
+
+
+def _go_on(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise ArmStopped("stopped: another arm failed")
 
 
 class ArmClient(Protocol):
@@ -232,32 +242,37 @@ def interactions_to(curve: Sequence[dict[str, float]], threshold: float) -> int 
 
 
 def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, *,
-            settle_s: float, advance: Callable[[int], None]) -> ArmResult:  # fmt: skip
+            settle_s: float, advance: Callable[[int], None], stop: threading.Event | None = None) -> ArmResult:  # fmt: skip
     """Drive one arm's server: measure, then interact and measure at every checkpoint.
 
     An arm without a learner cannot change (nothing it is told is kept), so its interactions
     are skipped and it is measured at the start and after N only: the same numbers, an arm's
     worth of time saved. ``settle_s``: how long to wait after the learner is idle, for the
     server to take in what it published (lessons into the index, adapters loaded).
-    ``advance(n)``: progress."""
+    ``advance(n)``: progress. ``stop``: once set, the arm ends at its next step with :class:`ArmStopped`."""
+
+    def tick(n: int) -> None:
+        advance(n)
+        _go_on(stop)
+
     started = time.perf_counter()
     result = ArmResult(name)
     learns = ARM_LEARNING[name][0]
     checkpoints = set(plan.checkpoints())
-    wait_idle(client, settle_s, plan.idle_timeout_s)
-    result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, advance)
-    result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, advance)
-    result.measure(0, success_rate(client, tasks.heldout, advance))
+    wait_idle(client, settle_s, plan.idle_timeout_s, stop)
+    result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, tick)
+    result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, tick)
+    result.measure(0, success_rate(client, tasks.heldout, tick))
     for i, task in enumerate(tasks.training[: plan.interactions] if learns else [], start=1):
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
-        advance(1)
+        tick(1)
         if i in checkpoints:
-            wait_idle(client, settle_s, plan.idle_timeout_s)
-            result.measure(i, success_rate(client, tasks.heldout, advance))
+            wait_idle(client, settle_s, plan.idle_timeout_s, stop)
+            result.measure(i, success_rate(client, tasks.heldout, tick))
     if not learns:
-        result.measure(plan.interactions, success_rate(client, tasks.heldout, advance))
-    result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, advance)
-    result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, advance)
+        result.measure(plan.interactions, success_rate(client, tasks.heldout, tick))
+    result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, tick)
+    result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, tick)
     health = client.health()
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
@@ -336,14 +351,24 @@ def _count(items: Sequence[Any], done: Callable[[Any], dict[str, Any] | None],
     return (len(items) - len(misses)) / len(items), misses
 
 
-def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S) -> None:
-    """Return once the learner has judged and trained everything sent so far (at once without one)."""
+def wait_idle(client: ArmClient, settle_s: float, timeout_s: float = IDLE_TIMEOUT_S,
+              stop: threading.Event | None = None) -> None:  # fmt: skip
+    """Return once the learner has judged and trained everything sent so far (at once without one).
+
+    ``timeout_s`` bounds the wait *without progress*: a slow machine's learner that still judges,
+    writes lessons and finishes steps is waited for, however long its queue; one whose counters
+    stand still that long while busy has stalled, and the bench stops with what it saw."""
+    seen: dict[str, Any] | None = None
     deadline = time.monotonic() + timeout_s
     while (learner := client.health().get("learner")) and learner["busy"]:
-        if time.monotonic() > deadline:
-            counters = ", ".join(f"{k}={v}" for k, v in learner.items() if k != "busy")
-            raise BenchError(f"the learner was still busy after {timeout_s:.0f}s ({counters}); on a slow machine "
-                             "give it longer with --idle-timeout SECONDS")
+        counters = {k: v for k, v in learner.items() if k != "busy"}
+        if counters != seen:
+            seen, deadline = counters, time.monotonic() + timeout_s
+        elif time.monotonic() > deadline:
+            shown = ", ".join(f"{k}={v}" for k, v in counters.items())
+            raise BenchError(f"the learner was busy with no progress for {timeout_s:.0f}s ({shown}); on a slow "
+                             "machine one training step can take longer: give it more with --idle-timeout SECONDS")
+        _go_on(stop)
         time.sleep(POLL_S)  # another process: there is no event to wait on
     if learner is not None:
         time.sleep(settle_s)
@@ -522,12 +547,14 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     for share in shares:
         free.put(share)
     order = sorted(plan.arms, key=lambda arm: not ARM_LEARNING[arm][1])
+    stop = threading.Event()  # set when an arm fails: the others end at their next step, none starts
     with _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def one(arm: str) -> ArmResult:
             cores = free.get()
             try:
+                _go_on(stop)
                 arm_dir = scratch / arm
                 arm_dir.mkdir()
                 settings = arm_config(config, arm, arm_dir / "data", model, free_port(), plan.lora_lr)
@@ -536,29 +563,52 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                     client = HttpArmClient(http, profile.user)
                     return run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
                                    settle_s=2 * LEARNER_OVERRIDES["poll_s"],
-                                   advance=lambda n: progress.advance(bars[arm], n))  # fmt: skip
+                                   advance=lambda n: progress.advance(bars[arm], n), stop=stop)  # fmt: skip
+            except BaseException as exc:
+                if not isinstance(exc, ArmStopped):
+                    stop.set()  # before its cores are free: the next arm must not start on them
+                raise
             finally:
                 free.put(cores)
 
         with ThreadPoolExecutor(max_workers=plan.jobs, thread_name_prefix="whet-bench-arm") as pool:
             done = {arm: pool.submit(one, arm) for arm in order}
             try:
-                results = [done[arm].result() for arm in plan.arms]
-            except BaseException:  # arms not started yet never start; running ones end first (their servers stop)
-                for future in done.values():
-                    future.cancel()
-                raise
+                wait(done.values(), return_when=FIRST_EXCEPTION)
+            finally:  # an arm failed, or Ctrl-C: arms not started never start, running ones stop at their next step
+                if not all(f.done() and f.exception() is None for f in done.values()):
+                    stop.set()
+                    for future in done.values():
+                        future.cancel()
     if plan.keep:
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
+    results = [done[arm].result() for arm in plan.arms if _finished(done[arm])]
+    failed = {arm: done[arm].exception() for arm in plan.arms
+              if done[arm].done() and not done[arm].cancelled() and not isinstance(done[arm].exception(), ArmStopped | None)}
+    if failed and not results:
+        raise next(iter(failed.values()))
     report = build_report(plan, profile.name, results, time.perf_counter() - started,
                           heldout_distinct=len({task.text for task in tasks.heldout}),
                           precision=config.learner.lora.precision)
+    if failed:  # what finished is kept, and the report says which arms did not
+        report["failed"] = {arm: str(exc).splitlines()[0] for arm, exc in failed.items()}
+        report["not_finished"] = [arm for arm in plan.arms if not _finished(done[arm]) and arm not in failed]
     plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, plan.plot_path)
     _print_table(report, plan)
+    if failed:
+        arm, exc = next(iter(failed.items()))
+        finished = ", ".join(r.name for r in results)
+        if isinstance(exc, BenchError):
+            raise BenchError(f"arm {arm} failed: {exc}\n(the arms that finished, {finished}, are in {plan.json_path})")
+        raise exc
     return 0
+
+
+def _finished(future: Future[ArmResult]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
