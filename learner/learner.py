@@ -37,7 +37,8 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean, pvariance
@@ -426,7 +427,9 @@ class Learner:
                    lessons: list[list[str] | None]) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         batch turn, :meth:`_sample`'s."""
-        trainer = self._trainer_now()
+        clock = _Clock()
+        with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
+            trainer = self._trainer_now()
         parent = _parent_state(live)
         trainer.reset(Path(live.path) if live else None)
         baseline = (
@@ -436,16 +439,20 @@ class Learner:
         )
         samples = [self._sample(trainer, j, t, shown) for (j, t), shown in zip(batch, lessons, strict=True)]
         regression = self._regression or []
-        before = trainer.mean_logprobs([(p, r) for _, p, r in held])
-        reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
+        with clock("replay_before"):
+            before = trainer.mean_logprobs([(p, r) for _, p, r in held])
+            reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
-        stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight)
+        with clock("train"):
+            stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight)
         baseline.update([s.score for s in samples])
-        after = trainer.mean_logprobs([(p, r) for _, p, r in held])
-        reg_after = trainer.mean_logprobs(regression)
-        kept_after, _ = self._kept(trainer, regression, live_replies)
+        with clock("replay_after"):
+            after = trainer.mean_logprobs([(p, r) for _, p, r in held])
+            reg_after = trainer.mean_logprobs(regression)
+        with clock("pinned_after"):
+            kept_after, _ = self._kept(trainer, regression, live_replies)
         self._hook("after_step")
         state = {
             "version": version,
@@ -460,6 +467,7 @@ class Learner:
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
             "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
+            "seconds": clock.seconds,  # where the step's time went
         }
         staging = folder / f".{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
@@ -536,7 +544,8 @@ class Learner:
     async def _finish(self, version: str, scope: str, user_id: str | None, path: Path, state: dict[str, Any]) -> None:
         """Register a saved version with its batch, then gate it: promote or reject."""
         adapter = Adapter(id=version, scope=scope, user_id=user_id if scope == "user" else None, path=str(path),
-                          parent=state["parent"], metrics={"train": state["train"], "batch_size": len(state["batch"])})  # fmt: skip
+                          parent=state["parent"], metrics={"train": state["train"], "batch_size": len(state["batch"]),
+                                   "seconds": state.get("seconds")})  # fmt: skip
         await self.store.register_candidate(adapter, state["batch"])
         row = await self.store.get_adapter(version)
         if row is None or row.status != "candidate":
@@ -742,3 +751,18 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         lesson_check=check,
         recall=(lambda user_id, query: recall(index, config.agent, user_id, query)) if index is not None else None,
     )
+
+
+class _Clock:
+    """Wall seconds by phase: ``with clock("train"): ...`` adds the block's time to ``seconds["train"]``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)

@@ -451,6 +451,7 @@ class AdapterView(BaseModel):
     promoted_at: datetime | None
     gate: dict[str, Any] | None  # accepted, reason and the gate's numbers
     train: dict[str, Any] | None
+    seconds: dict[str, float] | None = None  # where the step's time went: start, replay_before, train, replay_after, pinned_after
     rolled_back: str | None  # why, when it was
 
 
