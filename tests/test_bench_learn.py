@@ -100,6 +100,10 @@ class FakeServer:
                    "rolled_back": 0, "busy": busy}  # fmt: skip
         return {"status": "ok", "adapter": "global-0001", "learner": learner}
 
+    def learning(self) -> dict[str, Any]:
+        return {"adapters": [{"id": "global-0001", "seconds": {"train": 1.5, "pinned_after": 0.5}},
+                             {"id": "global-0002", "seconds": {"train": 2.0}}]}  # fmt: skip
+
 
 def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_learns_from_evaluations(tmp_path):
     plan = make_plan(tmp_path)
@@ -119,6 +123,8 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
                                                 {"request": "g1", "calls": [], "answer": "wrong"}], "after": []}
     assert result.chat_missed == {"before": [], "after": []}
     assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 8, "global-0001")
+    # the learner's steps, and their time by phase summed over them
+    assert (result.steps, result.step_seconds) == (2, {"train": 3.5, "pinned_after": 0.5})
     assert sum(steps) == plan.units_per_arm("memory") == 6 + 2 * 3 + 2 * 2 + 2 * 2
     trained = [s for s in server.sessions.values() if len(s) >= 2]
     evaluated = [s for s in server.sessions.values() if len(s) == 1]
@@ -437,6 +443,13 @@ def test_bench_learn_quick_runs_end_to_end(tmp_path):
         assert all(0.0 <= p["success"] <= 1.0 for p in arm["curve"])
         assert arm["final_success"] == arm["curve"][-1]["success"]
     assert report["arms"]["static"]["lessons"] == 0 and report["arms"]["static"]["adapters_promoted"] == 0
+    # the weights arms' steps, read back from each server's /v1/learning with their time by phase
+    phases = {"start", "replay_before", "train", "replay_after", "pinned_after"}
+    for name in ("lora", "memory_lora"):
+        arm = report["arms"][name]
+        assert arm["steps"] >= arm["adapters_promoted"]
+        assert arm["steps"] == 0 or (set(arm["step_seconds"]) == phases and arm["step_seconds"]["train"] > 0)
+    assert report["arms"]["static"]["steps"] == 0 and report["arms"]["memory"]["steps"] == 0
     assert report["arms"]["memory"]["adapters_promoted"] == 0 and report["arms"]["lora"]["lessons"] == 0
     # an untrained model serves the user badly: its corrections became lessons where lessons are kept
     assert report["arms"]["memory"]["lessons"] > 0 and report["arms"]["memory_lora"]["lessons"] > 0

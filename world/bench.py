@@ -105,6 +105,10 @@ class ArmClient(Protocol):
         """The server's ``/health`` body."""
         ...
 
+    def learning(self) -> dict[str, Any]:
+        """The server's ``/v1/learning`` body for the bench's user (its adapters, each step's seconds)."""
+        ...
+
 
 class Task(Protocol):
     text: str
@@ -200,6 +204,8 @@ class ArmResult:
     lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns)
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
+    steps: int = 0  # training steps made (candidates, whatever the gate decided)
+    step_seconds: dict[str, float] = field(default_factory=dict)  # their time by phase, summed
     # what was missed: the held-out tasks at each checkpoint; the general tasks and the chat probe
     # before and after (what learning broke is what is missed after and was not before)
     missed: list[dict[str, Any]] = field(default_factory=list)  # [{"interactions": n, "missed": [...]}]
@@ -229,8 +235,20 @@ class ArmResult:
             "lessons_held": self.lessons_held,
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
             "missed": {"heldout": self.missed, "general": self.general_missed, "chat": self.chat_missed},
         }
+
+
+def step_time(adapters: Sequence[dict[str, Any]]) -> tuple[int, dict[str, float]]:
+    """How many training steps the adapters are, and their seconds by phase, summed (where the
+    learner's time went: an arm's wall time is mostly its steps on a CPU)."""
+    total: dict[str, float] = {}
+    for adapter in adapters:
+        for phase, seconds in (adapter.get("seconds") or {}).items():
+            total[phase] = round(total.get(phase, 0.0) + seconds, 1)
+    return len(adapters), total
 
 
 def interactions_to(curve: Sequence[dict[str, float]], threshold: float) -> int | None:
@@ -279,6 +297,8 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result.lessons = learner.get("lessons", 0)
     result.lessons_held = learner.get("lessons_held", 0)
     result.adapter = health.get("adapter")
+    if learner:
+        result.steps, result.step_seconds = step_time(client.learning().get("adapters") or [])
     result.wall_s = time.perf_counter() - started
     return result
 
@@ -399,6 +419,9 @@ class HttpArmClient:
 
     def health(self) -> dict[str, Any]:
         return _body(self.http.get("/health"))
+
+    def learning(self) -> dict[str, Any]:
+        return _body(self.http.get("/v1/learning", params={"user": self.user}))
 
 
 def _body(response: httpx.Response) -> Any:
