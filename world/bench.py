@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -598,18 +598,19 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
             done = {arm: pool.submit(one, arm) for arm in order}
             try:
                 wait(done.values(), return_when=FIRST_EXCEPTION)
-            finally:  # an arm failed, or Ctrl-C: arms not started never start, running ones stop at their next step
-                if not all(f.done() and f.exception() is None for f in done.values()):
-                    stop.set()
-                    for future in done.values():
-                        future.cancel()
+            finally:  # all ended, an arm failed, or Ctrl-C: arms not started never start, running ones stop at their next step
+                stop.set()
+                for future in done.values():
+                    future.cancel()
     if plan.keep:
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
-    results = [done[arm].result() for arm in plan.arms if _finished(done[arm])]
-    failed = {arm: done[arm].exception() for arm in plan.arms
-              if done[arm].done() and not done[arm].cancelled() and not isinstance(done[arm].exception(), ArmStopped | None)}
+    # every arm has ended by now: its result, its error, or None (cancelled before it started)
+    ended = {arm: None if done[arm].cancelled() else done[arm].exception() or done[arm].result() for arm in plan.arms}
+    results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
+    failed = {arm: outcome for arm, outcome in ended.items()
+              if isinstance(outcome, BaseException) and not isinstance(outcome, ArmStopped)}
     if failed and not results:
         raise next(iter(failed.values()))
     report = build_report(plan, profile.name, results, time.perf_counter() - started,
@@ -617,7 +618,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                           precision=config.learner.lora.precision)
     if failed:  # what finished is kept, and the report says which arms did not
         report["failed"] = {arm: str(exc).splitlines()[0] for arm, exc in failed.items()}
-        report["not_finished"] = [arm for arm in plan.arms if not _finished(done[arm]) and arm not in failed]
+        report["not_finished"] = [arm for arm, outcome in ended.items() if outcome is None or isinstance(outcome, ArmStopped)]
     plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, plan.plot_path)
     _print_table(report, plan)
@@ -628,10 +629,6 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
             raise BenchError(f"arm {arm} failed: {exc}\n(the arms that finished, {finished}, are in {plan.json_path})")
         raise exc
     return 0
-
-
-def _finished(future: Future[ArmResult]) -> bool:
-    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
