@@ -247,8 +247,8 @@ def step_time(adapters: Sequence[dict[str, Any]]) -> tuple[int, dict[str, float]
     total: dict[str, float] = {}
     for adapter in adapters:
         for phase, seconds in (adapter.get("seconds") or {}).items():
-            total[phase] = round(total.get(phase, 0.0) + seconds, 1)
-    return len(adapters), total
+            total[phase] = total.get(phase, 0.0) + seconds
+    return len(adapters), {phase: round(seconds, 1) for phase, seconds in total.items()}
 
 
 def interactions_to(curve: Sequence[dict[str, float]], threshold: float) -> int | None:
