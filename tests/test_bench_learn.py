@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -166,35 +167,37 @@ def test_a_slow_learner_that_keeps_making_progress_is_waited_for_past_the_idle_t
     assert time.monotonic() - server.started >= 1.2
 
 
-def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch):
+class StubArm:
+    """An arm's server: answers every request after ``delay_s`` (first calling ``before``, if given),
+    or fails on its first one."""
+
+    def __init__(self, name: str, delay_s: float = 0.0, fails: bool = False,
+                 before: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.name, self.delay_s, self.fails, self.before, self.chats = name, delay_s, fails, before, 0
+
+    def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+        if self.fails:
+            raise BenchError(f"POST /v1/chat/completions failed (500): {self.name} broke\nthe log's tail")
+        if self.before is not None:
+            self.before()
+        self.chats += 1
+        time.sleep(self.delay_s)
+        return "I am not sure."
+
+    def tool_calls(self, session: str) -> list[Any]:
+        return []
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "adapter": None, "learner": None}
+
+
+def serve_stubs(monkeypatch: pytest.MonkeyPatch, arms: dict[str, StubArm]) -> list[str]:
+    """Make run_bench's arms ``arms`` instead of servers; returns the arms' names as they start."""
     import contextlib
     import threading
 
     import whet.world.bench as bench
 
-    class Arm:
-        """An arm's server: answers every request after ``delay_s``, or fails on its first one."""
-
-        def __init__(self, name: str, delay_s: float = 0.0, fails: bool = False) -> None:
-            self.name, self.delay_s, self.fails, self.chats = name, delay_s, fails, 0
-
-        def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
-            if self.fails:
-                raise BenchError(f"POST /v1/chat/completions failed (500): {self.name} broke\nthe log's tail")
-            self.chats += 1
-            time.sleep(self.delay_s)
-            return "I am not sure."
-
-        def tool_calls(self, session: str) -> list[Any]:
-            return []
-
-        def health(self) -> dict[str, Any]:
-            return {"status": "ok", "adapter": None, "learner": None}
-
-    # lora is quick and finishes; static then starts on its core and fails at once; memory_lora, slow,
-    # is still going then and stops; memory never gets to start
-    arms = {"lora": Arm("lora"), "memory_lora": Arm("memory_lora", delay_s=0.02), "static": Arm("static", fails=True),
-            "memory": Arm("memory")}  # fmt: skip
     started: list[str] = []
     lock = threading.Lock()
 
@@ -207,6 +210,17 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
     monkeypatch.setattr(bench, "served", served)
     monkeypatch.setattr(bench, "HttpArmClient", lambda http, user: arms[http.base_url.path.strip("/")])
     monkeypatch.setattr(bench, "base_model", lambda model, config, prepare: model)
+    return started
+
+
+def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch):
+    import whet.world.bench as bench
+
+    # lora is quick and finishes; static then starts on its core and fails at once; memory_lora, slow,
+    # is still going then and stops; memory never gets to start
+    arms = {"lora": StubArm("lora"), "memory_lora": StubArm("memory_lora", delay_s=0.02),
+            "static": StubArm("static", fails=True), "memory": StubArm("memory")}  # fmt: skip
+    started = serve_stubs(monkeypatch, arms)
     plan = make_plan(tmp_path, interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
     with pytest.raises(BenchError, match=r"arm static failed: POST .*static broke\nthe log's tail\n\(the arms that finished, lora, are in "):
         bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"])
@@ -217,6 +231,28 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
     assert list(report["arms"]) == ["lora"] and len(report["arms"]["lora"]["curve"]) == 2
     assert report["failed"] == {"static": "POST /v1/chat/completions failed (500): static broke"}
     assert report["not_finished"] == ["memory", "memory_lora"]
+    assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_arm_is_in_the_json_as_soon_as_it_finishes_while_the_others_run(tmp_path, monkeypatch):
+    import whet.world.bench as bench
+
+    plan = make_plan(tmp_path, arms=("lora", "memory_lora"), interactions=4, every=4, heldout=2, general=2, chat=1, jobs=2)
+    seen: list[dict[str, Any]] = []
+
+    def read_the_json_once() -> None:  # memory_lora waits on its first request until lora's result is written
+        if not seen:
+            deadline = time.monotonic() + 30
+            while not plan.json_path.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(json.loads(plan.json_path.read_text()))
+
+    serve_stubs(monkeypatch, {"lora": StubArm("lora"), "memory_lora": StubArm("memory_lora", before=read_the_json_once)})
+    assert bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"]) == 0
+    assert list(seen[0]["arms"]) == ["lora"] and seen[0]["not_finished"] == ["memory_lora"]
+    assert "failed" not in seen[0]
+    report = json.loads(plan.json_path.read_text())
+    assert list(report["arms"]) == ["lora", "memory_lora"] and "not_finished" not in report
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

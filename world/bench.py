@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -597,7 +597,10 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         with ThreadPoolExecutor(max_workers=plan.jobs, thread_name_prefix="whet-bench-arm") as pool:
             done = {arm: pool.submit(one, arm) for arm in order}
             try:
-                wait(done.values(), return_when=FIRST_EXCEPTION)
+                pending = set(done.values())
+                while pending:  # each arm that ends is in the JSON at once: a run killed later keeps it
+                    _, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms))
             finally:  # all ended, an arm failed, or Ctrl-C: arms not started never start, running ones stop at their next step
                 stop.set()
                 for future in done.values():
@@ -606,21 +609,12 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
-    # every arm has ended by now: its result, its error, or None (cancelled before it started)
-    ended = {arm: None if done[arm].cancelled() else done[arm].exception() or done[arm].result() for arm in plan.arms}
+    ended = _ended(done, plan.arms)  # every arm has ended by now
     results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
-    failed = {arm: outcome for arm, outcome in ended.items()
-              if isinstance(outcome, BaseException) and not isinstance(outcome, ArmStopped)}
+    failed = _failures(ended)
     if failed and not results:
         raise next(iter(failed.values()))
-    report = build_report(plan, profile.name, results, time.perf_counter() - started,
-                          heldout_distinct=len({task.text for task in tasks.heldout}),
-                          precision=config.learner.lora.precision)
-    if failed:  # what finished is kept, and the report says which arms did not
-        report["failed"] = {arm: str(exc).splitlines()[0] for arm, exc in failed.items()}
-        report["not_finished"] = [arm for arm, outcome in ended.items() if outcome is None or isinstance(outcome, ArmStopped)]
-    plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, plan.plot_path)
+    report = _write_report(plan, profile.name, tasks, config, started, ended)
     _print_table(report, plan)
     if failed:
         arm, exc = next(iter(failed.items()))
@@ -629,6 +623,47 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
             raise BenchError(f"arm {arm} failed: {exc}\n(the arms that finished, {finished}, are in {plan.json_path})")
         raise exc
     return 0
+
+
+_RUNNING = object()  # an arm still running (or waiting for cores) in :func:`_ended`
+
+
+def _ended(done: dict[str, Future[ArmResult]], arms: Sequence[str]) -> dict[str, Any]:
+    """Each arm's outcome: its result, its error, None (cancelled before it started), or _RUNNING."""
+    def outcome(future: Future[ArmResult]) -> Any:
+        if future.cancelled():
+            return None
+        return (future.exception() or future.result()) if future.done() else _RUNNING
+
+    return {arm: outcome(done[arm]) for arm in arms}
+
+
+def _failures(ended: dict[str, Any]) -> dict[str, BaseException]:
+    """The arms that failed (not those stopped because another did), with their errors."""
+    return {arm: outcome for arm, outcome in ended.items()
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ArmStopped)}  # fmt: skip
+
+
+def _write_report(plan: Plan, profile: str, tasks: Tasks, config: WhetConfig, started: float,
+                  ended: dict[str, Any]) -> dict[str, Any] | None:  # fmt: skip
+    """Write the JSON and the plot of the arms that finished so far (none yet: nothing is written).
+    ``failed`` names the arms that failed (arm -> first line of its error), ``not_finished`` those that
+    did not end with a result: stopped, never started, or (while the run goes on) still running."""
+    results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
+    if not results:
+        return None
+    report = build_report(plan, profile, results, time.perf_counter() - started,
+                          heldout_distinct=len({task.text for task in tasks.heldout}),
+                          precision=config.learner.lora.precision)  # fmt: skip
+    failed = _failures(ended)
+    if failed:
+        report["failed"] = {arm: str(exc).splitlines()[0] for arm, exc in failed.items()}
+    not_finished = [arm for arm, outcome in ended.items() if not isinstance(outcome, ArmResult) and arm not in failed]
+    if not_finished:
+        report["not_finished"] = not_finished
+    plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, plan.plot_path)
+    return report
 
 
 def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
