@@ -296,8 +296,23 @@ class LoraTrainer:
         if not samples:
             raise ValueError("a training step needs at least one sample")
         full = getattr(self.objective, "needs_distributions", False)
+        teacher, actions, reference = self._teacher_side(samples)
+        first: float | None = None
+        with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal]):
+            for _ in range(self.lora.epochs):
+                stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
+                first = stats["loss"] if first is None else first
+        stats["loss_first"] = float(first if first is not None else 0.0)
+        stats["samples"] = float(len(samples))
+        return stats
+
+    def _teacher_side(self, samples: Sequence[Sample]) -> tuple[list[torch.Tensor | None], list[list[int] | None] | None,
+                                                               list[torch.Tensor] | None]:  # fmt: skip
+        """What a step's passes learn towards, from the policy as it is before the step: the hinted
+        teacher's distributions (hindsight token or distribution) or its actions (hindsight action),
+        and the base model's log-probs when the objective has a KL term."""
         acts = getattr(self.objective, "needs_teacher_actions", False)
-        with torch.no_grad():  # the teacher is the policy as it is now, before this step
+        with torch.no_grad():
             teacher = [
                 self.response_distributions(s.teacher_prompt_ids, s.response_ids)
                 if s.teacher_prompt_ids and not acts
@@ -309,14 +324,7 @@ class LoraTrainer:
             if getattr(self.objective, "kl_weight", 0.0) > 0:
                 with self.model.disable_adapter():
                     reference = [self.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
-        first: float | None = None
-        with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal]):
-            for _ in range(self.lora.epochs):
-                stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
-                first = stats["loss"] if first is None else first
-        stats["loss_first"] = float(first if first is not None else 0.0)
-        stats["samples"] = float(len(samples))
-        return stats
+        return teacher, actions, reference
 
     def _pass(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
               actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
@@ -324,47 +332,93 @@ class LoraTrainer:
               rehearsal_weight: float = 1.0) -> dict[str, float]:  # fmt: skip
         """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
         The importance ratio stays against the behaviour log-probs, so the clip bounds how far
-        all of a step's passes together move the policy on the RL part."""
+        all of a step's passes together move the policy on the RL part.
+
+        The objective reads the whole batch at once (its token means run over every sample), but
+        a graph per sample and teacher action, all alive at once, took ~250 MB each on SmolLM2 (the
+        response against its prompt's keys and values, and its [T, V] distributions): a weights arm's
+        server reached 11 GB in a step of 8 samples and 16 rehearsal items. So the objective's inputs are computed without graphs first, as leaves;
+        its gradient with respect to them is then carried into the adapter one sample at a time
+        (:meth:`_carry`), each graph built, backpropagated and freed in turn: the same gradient for
+        one more forward pass per sample, without gradients."""
         self.model.train()
         try:
-            student = [self.response_distributions(s.prompt_ids, s.response_ids) for s in samples]
-            batch = TokenBatch(
-                logp=pad_sequence([_pick(d, s.response_ids) for d, s in zip(student, samples, strict=True)],
-                                  batch_first=True),  # [B, T]
-                old_logp=_padded([s.behaviour_logprobs for s in samples], self.device),  # [B, T]
-                mask=_padded([[1.0] * len(s.response_ids) for s in samples], self.device),  # [B, T]
-                scores=torch.tensor([float(s.score) for s in samples], device=self.device),  # [B]
-                teacher_logp=pad_sequence([_pick(d, s.response_ids) if d is not None
-                                           else torch.zeros(len(s.response_ids), device=self.device)
-                                           for d, s in zip(teacher, samples, strict=True)], batch_first=True),  # [B, T]
-                has_hint=torch.tensor([s.teacher_prompt_ids is not None for s in samples], device=self.device),
-                ref_logp=pad_sequence(reference, batch_first=True) if reference is not None else None,
-                baseline=baseline,
-                student_dist=pad_sequence(student, batch_first=True) if full else None,  # [B, T, V]
-                teacher_dist=pad_sequence([d if d is not None else torch.zeros_like(st)
-                                           for d, st in zip(teacher, student, strict=True)],
-                                          batch_first=True) if full else None,  # [B, T, V]
-            )
-            if actions is not None:
-                learnt = [self.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1, device=self.device)
-                          for s, a in zip(samples, actions, strict=True)]
-                batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
-                batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
-                batch.rl_mask = _padded([blamed_tokens(s.response_ids, a if s.score < 0 else None)
-                                         for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
-            loss, stats = self.objective.loss(batch)
-            if rehearsal and rehearsal_weight > 0:
-                kept = torch.cat([self.response_logprobs(p, r) for p, r in rehearsal])  # [sum of lengths]
-                stats["rehearsal_loss"] = float(-kept.detach().mean())
-                loss = loss - rehearsal_weight * kept.mean()
+            with torch.no_grad():
+                student = [self.response_distributions(s.prompt_ids, s.response_ids).requires_grad_() for s in samples]
+                learnt = None if actions is None else [
+                    (self.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1, device=self.device)).requires_grad_()
+                    for s, a in zip(samples, actions, strict=True)]  # fmt: skip
+            loss, stats = self.objective.loss(self._token_batch(samples, baseline, teacher, actions, reference, full,
+                                                                student, learnt))  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # as far as the leaves
+            self._carry(samples, actions, student, learnt)
+            if rehearsal and rehearsal_weight > 0:
+                stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight)
             params = [p for p in self.model.parameters() if p.requires_grad]
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
             self.optimizer.step()
         finally:
             self.model.eval()
         return stats
+
+    def _token_batch(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
+                     actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
+                     student: list[torch.Tensor], learnt: list[torch.Tensor] | None) -> TokenBatch:  # fmt: skip
+        """The objective's input: ``student``, each sample's [T, V] log-distributions under the policy
+        as it is now; ``learnt``, each teacher action's [A] log-probs under it (a zero for none)."""
+        batch = TokenBatch(
+            logp=pad_sequence([_pick(d, s.response_ids) for d, s in zip(student, samples, strict=True)],
+                              batch_first=True),  # [B, T]
+            old_logp=_padded([s.behaviour_logprobs for s in samples], self.device),  # [B, T]
+            mask=_padded([[1.0] * len(s.response_ids) for s in samples], self.device),  # [B, T]
+            scores=torch.tensor([float(s.score) for s in samples], device=self.device),  # [B]
+            teacher_logp=pad_sequence([_pick(d, s.response_ids) if d is not None
+                                       else torch.zeros(len(s.response_ids), device=self.device)
+                                       for d, s in zip(teacher, samples, strict=True)], batch_first=True),  # [B, T]
+            has_hint=torch.tensor([s.teacher_prompt_ids is not None for s in samples], device=self.device),
+            ref_logp=pad_sequence(reference, batch_first=True) if reference is not None else None,
+            baseline=baseline,
+            student_dist=pad_sequence(student, batch_first=True) if full else None,  # [B, T, V]
+            teacher_dist=pad_sequence([d if d is not None else torch.zeros_like(st)
+                                       for d, st in zip(teacher, student, strict=True)],
+                                      batch_first=True) if full else None,  # [B, T, V]
+        )
+        if actions is not None and learnt is not None:
+            batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
+            batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
+            batch.rl_mask = _padded([blamed_tokens(s.response_ids, a if s.score < 0 else None)
+                                     for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
+        return batch
+
+    def _carry(self, samples: Sequence[Sample], actions: list[list[int] | None] | None, student: list[torch.Tensor],
+               learnt: list[torch.Tensor] | None) -> None:  # fmt: skip
+        """Backpropagates the gradient the objective left on its leaves (``student``, ``learnt``) into the
+        adapter, one sample's forward pass and graph at a time; a leaf the loss did not reach is skipped."""
+        for s, leaf in zip(samples, student, strict=True):
+            if leaf.grad is not None and bool(leaf.grad.any()):
+                self.response_distributions(s.prompt_ids, s.response_ids).backward(leaf.grad)
+        if actions is None or learnt is None:
+            return
+        for s, a, leaf in zip(samples, actions, learnt, strict=True):
+            if a and leaf.grad is not None and bool(leaf.grad.any()):
+                self.response_logprobs(s.prompt_ids, a).backward(leaf.grad)
+
+    def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float) -> float:
+        """Adds to the gradients ``weight`` times the gradient of the items' token-mean negative
+        log-likelihood, one item at a time, and returns that mean.
+
+        The mean over all the items' tokens is a sum of one term per item, so each item's graph is
+        built, backpropagated and freed before the next: one rehearsal item's activations (its response
+        against its prompt's keys and values, and its [T, V] distributions) are alive at a time, not
+        every item's at once beside the samples'. The gradient is the same."""
+        tokens = sum(len(response) for _, response in items)
+        total = 0.0
+        for prompt, response in items:
+            logp = self.response_logprobs(prompt, response)  # [T]
+            (-weight * logp.sum() / tokens).backward()
+            total -= float(logp.detach().sum())
+        return total / tokens
 
     def _new_action(self, sample: Sample) -> list[int] | None:
         """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do

@@ -112,6 +112,69 @@ def test_rehearsal_items_are_learnt_beside_the_batch(tiny_model):
     assert after[True] > 0 and after[True] > after[False]
 
 
+@pytest.mark.parametrize("hindsight,kl_weight", [("action", 0.0), ("token", 0.1), ("distribution", 0.0)])
+def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a_time_unchanged(tiny_model, hindsight,
+                                                                                               kl_weight):  # fmt: skip
+    """The objective's gradient with respect to its inputs, carried sample by sample (one graph alive at
+    a time), is the gradient of the objective over every sample's graph at once."""
+    objective = build_objective("combined", hindsight=hindsight, kl_weight=kl_weight, rl_negative_weight=0.25)
+    trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"max_grad_norm": 1e9}), objective, device="cpu")
+    with torch.no_grad():  # B starts at zero: give the adapter some effect, so every LoRA weight has a gradient
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+    messages, prompt, wrong = encode_turn(trainer, HOME, "In Paris it is 10:00.")
+    teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, HOME_HINT)
+    samples = [sample(trainer, "t1", "What time is it?", "It is nine.", 1),
+               sample(trainer, "t2", "Say hello.", "No.", -1),
+               Sample("t3", prompt, wrong, [-2.0] * len(wrong), -1, teacher_prompt_ids=teacher_prompt)]  # fmt: skip
+    teacher, actions, reference = trainer._teacher_side(samples)
+    assert hindsight != "action" or actions[2]  # the hinted sample has an action to learn
+    full = objective.needs_distributions
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    student = [trainer.response_distributions(s.prompt_ids, s.response_ids) for s in samples]
+    learnt = None if actions is None else [trainer.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1)
+                                           for s, a in zip(samples, actions, strict=True)]  # fmt: skip
+    loss, _ = objective.loss(trainer._token_batch(samples, 0.0, teacher, actions, reference, full, student, learnt))
+    loss.backward()
+    expected = [p.grad.clone() for p in params]
+
+    stats = trainer._pass(samples, 0.0, teacher, actions, reference, full)  # zeroes the gradients first
+    assert stats["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert any(float(e.abs().sum()) > 0 for e in expected)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+
+
+def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all_its_tokens(tiny_model):
+    """One item's graph at a time (a step's memory does not grow with its rehearsal), and the same
+    gradient as the token mean over every item at once, items of different lengths weighed by their tokens."""
+    trainer = new_trainer(tiny_model)
+    trainer.reset(None)
+    with torch.no_grad():  # B starts at zero: give the adapter some effect, so every LoRA weight has a gradient
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+    items = [encode_turn(trainer, "Say hello.", "Hello!")[1:],
+             encode_turn(trainer, "What is two plus two?", "Two plus two is four, as it always was.")[1:]]  # fmt: skip
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    trainer.model.zero_grad(set_to_none=True)
+    whole = torch.cat([trainer.response_logprobs(p, r) for p, r in items])
+    (-0.5 * whole.mean()).backward()
+    expected = [p.grad.clone() for p in params]
+
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._rehearse(items, 0.5)
+    assert loss == pytest.approx(float(-whole.detach().mean()), rel=1e-5)
+    assert any(float(e.abs().sum()) > 0 for e in expected)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+
+
 def test_rehearsal_small_talk_is_the_base_models_own_reply_and_calls_keep_their_text(tiny_model):
     from whet.learner.learner import self_distilled
 
