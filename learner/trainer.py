@@ -336,11 +336,13 @@ class LoraTrainer:
 
         The objective reads the whole batch at once (its token means run over every sample), but
         a graph per sample and teacher action, all alive at once, took ~250 MB each on SmolLM2 (the
-        response against its prompt's keys and values, and its [T, V] distributions): a weights arm's
-        server reached 11 GB in a step of 8 samples and 16 rehearsal items. So the objective's inputs are computed without graphs first, as leaves;
-        its gradient with respect to them is then carried into the adapter one sample at a time
-        (:meth:`_carry`), each graph built, backpropagated and freed in turn: the same gradient for
-        one more forward pass per sample, without gradients."""
+        response against its prompt's keys and values, and its [T, V] distributions): a weights
+        arm's server reached 11 GB in a step of 8 samples and 16 rehearsal items. So the
+        objective's inputs are computed without graphs first, as leaves; its gradient with respect
+        to them is then carried into the adapter one sample at a time (:meth:`_carry`), each graph
+        built, backpropagated and freed in turn, and rehearsal likewise (:meth:`_rehearse`): the
+        same gradient for one more forward pass per sample, without gradients (SmolLM2, a pass of
+        8 samples and 16 rehearsal items: +1.3 GB at its peak against +8.7 GB, 2% slower)."""
         self.model.train()
         try:
             with torch.no_grad():
