@@ -231,7 +231,28 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
     assert list(report["arms"]) == ["lora"] and len(report["arms"]["lora"]["curve"]) == 2
     assert report["failed"] == {"static": "POST /v1/chat/completions failed (500): static broke"}
     assert report["not_finished"] == ["memory", "memory_lora"]
+    # the stopped arm's curve as far as it got: measured at the start, before its first checkpoint at 200
+    assert report["partial"]["memory_lora"]["curve"] == [{"interactions": 0, "success": 0.0}]
+    assert set(report["partial"]) == {"memory_lora"}
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_running_arms_checkpoints_are_in_the_json_as_they_are_measured(tmp_path, monkeypatch):
+    import whet.world.bench as bench
+
+    plan = make_plan(tmp_path, arms=("lora",), interactions=4, every=2, heldout=2, general=2, chat=1, jobs=1)
+    chats: list[dict[str, Any]] = []
+
+    def read_at_the_first_interaction() -> None:  # 2 general tasks, 1 chat, 2 held-out, then interaction 1
+        chats.append(json.loads(plan.json_path.read_text()) if len(chats) == 5 else {})
+
+    serve_stubs(monkeypatch, {"lora": StubArm("lora", before=read_at_the_first_interaction)})
+    assert bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"]) == 0
+    during = chats[5]
+    assert during["arms"] == {} and during["not_finished"] == ["lora"] and during["base_success"] is None
+    assert during["partial"]["lora"]["curve"] == [{"interactions": 0, "success": 0.0}]
+    report = json.loads(plan.json_path.read_text())
+    assert [p["interactions"] for p in report["arms"]["lora"]["curve"]] == [0, 2, 4] and "partial" not in report
 
 
 def test_each_arm_is_in_the_json_as_soon_as_it_finishes_while_the_others_run(tmp_path, monkeypatch):
@@ -243,14 +264,17 @@ def test_each_arm_is_in_the_json_as_soon_as_it_finishes_while_the_others_run(tmp
     def read_the_json_once() -> None:  # memory_lora waits on its first request until lora's result is written
         if not seen:
             deadline = time.monotonic() + 30
-            while not plan.json_path.exists() and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                report = json.loads(plan.json_path.read_text()) if plan.json_path.exists() else {}
+                if "lora" in report.get("arms", {}):
+                    seen.append(report)
+                    return
                 time.sleep(0.01)
-            seen.append(json.loads(plan.json_path.read_text()))
 
     serve_stubs(monkeypatch, {"lora": StubArm("lora"), "memory_lora": StubArm("memory_lora", before=read_the_json_once)})
     assert bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"]) == 0
     assert list(seen[0]["arms"]) == ["lora"] and seen[0]["not_finished"] == ["memory_lora"]
-    assert "failed" not in seen[0]
+    assert "failed" not in seen[0] and "partial" not in seen[0]  # memory_lora has measured nothing yet
     report = json.loads(plan.json_path.read_text())
     assert list(report["arms"]) == ["lora", "memory_lora"] and "not_finished" not in report
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -217,6 +217,12 @@ class ArmResult:
         self.curve.append({"interactions": interactions, "success": score[0]})
         self.missed.append({"interactions": interactions, "missed": score[1]})
 
+    def so_far(self) -> dict[str, Any]:
+        """What an arm that has not finished has measured: its curve, its general skill before, and
+        the held-out tasks it missed (copies: the arm's thread may be adding to them)."""
+        return {"curve": list(self.curve), "general_before": self.general_before, "chat_before": self.chat_before,
+                "missed": {"heldout": list(self.missed)}}  # fmt: skip
+
     @property
     def final_success(self) -> float:
         return self.curve[-1]["success"]
@@ -260,18 +266,25 @@ def interactions_to(curve: Sequence[dict[str, float]], threshold: float) -> int 
 
 
 def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, *,
-            settle_s: float, advance: Callable[[int], None], stop: threading.Event | None = None) -> ArmResult:  # fmt: skip
+            settle_s: float, advance: Callable[[int], None], stop: threading.Event | None = None,
+            measured: Callable[[ArmResult], None] | None = None) -> ArmResult:  # fmt: skip
     """Drive one arm's server: measure, then interact and measure at every checkpoint.
 
     An arm without a learner cannot change (nothing it is told is kept), so its interactions
     are skipped and it is measured at the start and after N only: the same numbers, an arm's
     worth of time saved. ``settle_s``: how long to wait after the learner is idle, for the
     server to take in what it published (lessons into the index, adapters loaded).
-    ``advance(n)``: progress. ``stop``: once set, the arm ends at its next step with :class:`ArmStopped`."""
+    ``advance(n)``: progress. ``stop``: once set, the arm ends at its next step with :class:`ArmStopped`.
+    ``measured(result)``: called after every checkpoint with the result so far."""
 
     def tick(n: int) -> None:
         advance(n)
         _go_on(stop)
+
+    def checkpoint(interactions: int) -> None:
+        result.measure(interactions, success_rate(client, tasks.heldout, tick))
+        if measured is not None:
+            measured(result)
 
     started = time.perf_counter()
     result = ArmResult(name)
@@ -280,15 +293,15 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     wait_idle(client, settle_s, plan.idle_timeout_s, stop)
     result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, tick)
     result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, tick)
-    result.measure(0, success_rate(client, tasks.heldout, tick))
+    checkpoint(0)
     for i, task in enumerate(tasks.training[: plan.interactions] if learns else [], start=1):
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
         tick(1)
         if i in checkpoints:
             wait_idle(client, settle_s, plan.idle_timeout_s, stop)
-            result.measure(i, success_rate(client, tasks.heldout, tick))
+            checkpoint(i)
     if not learns:
-        result.measure(plan.interactions, success_rate(client, tasks.heldout, tick))
+        checkpoint(plan.interactions)
     result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, tick)
     result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, tick)
     health = client.health()
@@ -571,8 +584,19 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         free.put(share)
     order = sorted(plan.arms, key=lambda arm: not ARM_LEARNING[arm][1])
     stop = threading.Event()  # set when an arm fails: the others end at their next step, none starts
+    done: dict[str, Future[ArmResult]] = {}
+    so_far: dict[str, ArmResult] = {}  # each arm's result as of its last checkpoint
+    writing = threading.Lock()
+
+    def write() -> dict[str, Any] | None:
+        with writing:
+            return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
     with _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
+
+        def measured(arm: str, result: ArmResult) -> None:
+            so_far[arm] = result
+            write()
 
         def one(arm: str) -> ArmResult:
             cores = free.get()
@@ -586,7 +610,8 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                     client = HttpArmClient(http, profile.user)
                     return run_arm(arm, client, tasks, SimulatedUser(profile, plan.seed), plan,
                                    settle_s=2 * LEARNER_OVERRIDES["poll_s"],
-                                   advance=lambda n: progress.advance(bars[arm], n), stop=stop)  # fmt: skip
+                                   advance=lambda n: progress.advance(bars[arm], n), stop=stop,
+                                   measured=lambda result: measured(arm, result))  # fmt: skip
             except BaseException as exc:
                 if not isinstance(exc, ArmStopped):
                     stop.set()  # before its cores are free: the next arm must not start on them
@@ -595,12 +620,13 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                 free.put(cores)
 
         with ThreadPoolExecutor(max_workers=plan.jobs, thread_name_prefix="whet-bench-arm") as pool:
-            done = {arm: pool.submit(one, arm) for arm in order}
+            for arm in order:
+                done[arm] = pool.submit(one, arm)
             try:
                 pending = set(done.values())
-                while pending:  # each arm that ends is in the JSON at once: a run killed later keeps it
+                while pending:  # each arm that ends is in the JSON at once, as is each checkpoint measured
                     _, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms))
+                    write()
             finally:  # all ended, an arm failed, or Ctrl-C: arms not started never start, running ones stop at their next step
                 stop.set()
                 for future in done.values():
@@ -614,7 +640,8 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     failed = _failures(ended)
     if failed and not results:
         raise next(iter(failed.values()))
-    report = _write_report(plan, profile.name, tasks, config, started, ended)
+    report = write()
+    assert report is not None  # an arm finished
     _print_table(report, plan)
     if failed:
         arm, exc = next(iter(failed.items()))
@@ -629,13 +656,17 @@ _RUNNING = object()  # an arm still running (or waiting for cores) in :func:`_en
 
 
 def _ended(done: dict[str, Future[ArmResult]], arms: Sequence[str]) -> dict[str, Any]:
-    """Each arm's outcome: its result, its error, None (cancelled before it started), or _RUNNING."""
-    def outcome(future: Future[ArmResult]) -> Any:
+    """Each arm's outcome: its result, its error, None (cancelled before it started), or _RUNNING
+    (also an arm not submitted yet)."""
+
+    def outcome(future: Future[ArmResult] | None) -> Any:
+        if future is None:
+            return _RUNNING
         if future.cancelled():
             return None
         return (future.exception() or future.result()) if future.done() else _RUNNING
 
-    return {arm: outcome(done[arm]) for arm in arms}
+    return {arm: outcome(done.get(arm)) for arm in arms}
 
 
 def _failures(ended: dict[str, Any]) -> dict[str, BaseException]:
@@ -645,16 +676,20 @@ def _failures(ended: dict[str, Any]) -> dict[str, BaseException]:
 
 
 def _write_report(plan: Plan, profile: str, tasks: Tasks, config: WhetConfig, started: float,
-                  ended: dict[str, Any]) -> dict[str, Any] | None:  # fmt: skip
-    """Write the JSON and the plot of the arms that finished so far (none yet: nothing is written).
+                  ended: dict[str, Any], so_far: dict[str, ArmResult]) -> dict[str, Any] | None:  # fmt: skip
+    """Write the JSON and the plot of the arms that finished so far, and the curves measured so far of
+    those that did not (``partial``: still running, or stopped); nothing before the first checkpoint.
     ``failed`` names the arms that failed (arm -> first line of its error), ``not_finished`` those that
     did not end with a result: stopped, never started, or (while the run goes on) still running."""
     results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
-    if not results:
+    partial = {arm: result.so_far() for arm, result in so_far.items() if not isinstance(ended.get(arm), ArmResult)}
+    if not results and not partial:
         return None
     report = build_report(plan, profile, results, time.perf_counter() - started,
                           heldout_distinct=len({task.text for task in tasks.heldout}),
                           precision=config.learner.lora.precision)  # fmt: skip
+    if partial:
+        report["partial"] = partial
     failed = _failures(ended)
     if failed:
         report["failed"] = {arm: str(exc).splitlines()[0] for arm, exc in failed.items()}
@@ -691,7 +726,7 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
     twice is answered the same way twice at temperature 0, so it weighs twice). ``precision``: the
     arms' ``learner.lora.precision``, for what the machine trains in."""
     arms = {r.name: r.to_json() for r in results}
-    headline = next((r for r in results if r.name == "memory_lora"), results[-1])
+    headline = next((r for r in results if r.name == "memory_lora"), results[-1] if results else None)
     return {
         "profile": profile,
         "seed": plan.seed,
@@ -701,11 +736,11 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "heldout_distinct": heldout_distinct,
         "general": plan.general,
         "model": plan.model,
-        "base_success": fmean(r.curve[0]["success"] for r in results),
-        "general_before": headline.general_before,
-        "general_after": headline.general_after,
-        "chat_before": headline.chat_before,
-        "chat_after": headline.chat_after,
+        "base_success": fmean(r.curve[0]["success"] for r in results) if results else None,
+        "general_before": headline.general_before if headline else None,
+        "general_after": headline.general_after if headline else None,
+        "chat_before": headline.chat_before if headline else None,
+        "chat_after": headline.chat_after if headline else None,
         "command": plan.command(),
         "machine": _machine(precision),
         "wall_s": round(wall_s, 1),
@@ -744,6 +779,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for arm, result in report["arms"].items():
         xs = [p["interactions"] for p in result["curve"]]
         axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", label=arm)
+    for arm, result in report.get("partial", {}).items():  # arms not finished: dotted, as far as they got
+        xs = [p["interactions"] for p in result["curve"]]
+        axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", linestyle=":", label=f"{arm} (not finished)")
     axes.axhline(THRESHOLD, linestyle="--", color="grey", linewidth=1, label=f"{THRESHOLD:.0%}")
     axes.set(xlabel="interactions", ylabel="held-out success", ylim=(-0.02, 1.02),
              title=f"whet bench learn: profile {report['profile']}, seed {report['seed']}")  # fmt: skip
