@@ -595,7 +595,8 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
-            so_far[arm] = result
+            with writing:  # another arm's thread may be writing the report, reading so_far
+                so_far[arm] = result
             write()
 
         def one(arm: str) -> ArmResult:
