@@ -697,9 +697,20 @@ def _write_report(plan: Plan, profile: str, tasks: Tasks, config: WhetConfig, st
     not_finished = [arm for arm, outcome in ended.items() if not isinstance(outcome, ArmResult) and arm not in failed]
     if not_finished:
         report["not_finished"] = not_finished
-    plan.json_path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, plan.plot_path)
+    # whole files only: someone (a test, a person) may read them while the run goes on
+    _replace(plan.json_path, lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+    _replace(plan.plot_path, lambda tmp: plot(report, tmp))
     return report
+
+
+def _replace(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through a temporary file beside it, then rename it into place (atomic)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def base_model(model_id: str, config: WhetConfig, prepare: Callable[[Path], Path]) -> str:
