@@ -112,6 +112,15 @@ def test_rehearsal_items_are_learnt_beside_the_batch(tiny_model):
     assert after[True] > 0 and after[True] > after[False]
 
 
+def adapter_with_effect(trainer: LoraTrainer) -> None:
+    """LoRA's B starts at zero (the adapter does nothing, and A gets no gradient): draw it small, so that
+    every LoRA weight has a gradient to compare."""
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+
+
 @pytest.mark.parametrize("hindsight,kl_weight", [("action", 0.0), ("token", 0.1), ("distribution", 0.0)])
 def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a_time_unchanged(tiny_model, hindsight,
                                                                                                kl_weight):  # fmt: skip
@@ -119,10 +128,7 @@ def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a
     a time), is the gradient of the objective over every sample's graph at once."""
     objective = build_objective("combined", hindsight=hindsight, kl_weight=kl_weight, rl_negative_weight=0.25)
     trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"max_grad_norm": 1e9}), objective, device="cpu")
-    with torch.no_grad():  # B starts at zero: give the adapter some effect, so every LoRA weight has a gradient
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.02)
+    adapter_with_effect(trainer)
     messages, prompt, wrong = encode_turn(trainer, HOME, "In Paris it is 10:00.")
     teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, HOME_HINT)
     samples = [sample(trainer, "t1", "What time is it?", "It is nine.", 1),
@@ -154,10 +160,7 @@ def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all
     gradient as the token mean over every item at once, items of different lengths weighed by their tokens."""
     trainer = new_trainer(tiny_model)
     trainer.reset(None)
-    with torch.no_grad():  # B starts at zero: give the adapter some effect, so every LoRA weight has a gradient
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.02)
+    adapter_with_effect(trainer)
     items = [encode_turn(trainer, "Say hello.", "Hello!")[1:],
              encode_turn(trainer, "What is two plus two?", "Two plus two is four, as it always was.")[1:]]  # fmt: skip
     params = [p for p in trainer.model.parameters() if p.requires_grad]
