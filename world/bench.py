@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -761,6 +762,7 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
     }
 
 
+@functools.cache  # the same all run long; the report is written at every checkpoint
 def _machine(precision: str) -> dict[str, Any]:
     import torch
 
@@ -788,12 +790,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     figure = Figure(figsize=(7, 4.5), layout="constrained")
     FigureCanvasAgg(figure)  # Agg, without pyplot's global state
     axes = figure.add_subplot()
-    for arm, result in report["arms"].items():
-        xs = [p["interactions"] for p in result["curve"]]
-        axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", label=arm)
-    for arm, result in report.get("partial", {}).items():  # arms not finished: dotted, as far as they got
-        xs = [p["interactions"] for p in result["curve"]]
-        axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", linestyle=":", label=f"{arm} (not finished)")
+    # arms not finished: dotted, as far as they got
+    for key, style, suffix in (("arms", "-", ""), ("partial", ":", " (not finished)")):
+        for arm, result in report.get(key, {}).items():
+            xs = [p["interactions"] for p in result["curve"]]
+            axes.plot(xs, [p["success"] for p in result["curve"]], marker="o", linestyle=style, label=arm + suffix)
     axes.axhline(THRESHOLD, linestyle="--", color="grey", linewidth=1, label=f"{THRESHOLD:.0%}")
     axes.set(xlabel="interactions", ylabel="held-out success", ylim=(-0.02, 1.02),
              title=f"whet bench learn: profile {report['profile']}, seed {report['seed']}")  # fmt: skip
