@@ -216,25 +216,34 @@ def serve_stubs(monkeypatch: pytest.MonkeyPatch, arms: dict[str, StubArm]) -> li
 def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch):
     import whet.world.bench as bench
 
-    # lora is quick and finishes; static then starts on its core and fails at once; memory_lora, slow,
-    # is still going then and stops; memory never gets to start
+    # lora is quick and finishes; memory then starts on its core (longest first: it learns, static does
+    # not) and fails at once; memory_lora, slow, is still going then and stops; static never gets to start
     arms = {"lora": StubArm("lora"), "memory_lora": StubArm("memory_lora", delay_s=0.02),
-            "static": StubArm("static", fails=True), "memory": StubArm("memory")}  # fmt: skip
+            "memory": StubArm("memory", fails=True), "static": StubArm("static")}  # fmt: skip
     started = serve_stubs(monkeypatch, arms)
     plan = make_plan(tmp_path, interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
-    with pytest.raises(BenchError, match=r"arm static failed: POST .*static broke\nthe log's tail\n\(the arms that finished, lora, are in "):
+    with pytest.raises(BenchError, match=r"arm memory failed: POST .*memory broke\nthe log's tail\n\(the arms that finished, lora, are in "):
         bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"])
     # memory_lora stopped long before its 200 interactions (3 requests each, corrected twice)
     assert 0 < arms["memory_lora"].chats < 200
-    assert "memory" not in started and arms["memory"].chats == 0
+    assert set(started[:2]) == {"lora", "memory_lora"} and started[2:] == ["memory"]
+    assert "static" not in started and arms["static"].chats == 0
     report = json.loads(plan.json_path.read_text())
     assert list(report["arms"]) == ["lora"] and len(report["arms"]["lora"]["curve"]) == 2
-    assert report["failed"] == {"static": "POST /v1/chat/completions failed (500): static broke"}
-    assert report["not_finished"] == ["memory", "memory_lora"]
+    assert report["failed"] == {"memory": "POST /v1/chat/completions failed (500): memory broke"}
+    assert report["not_finished"] == ["static", "memory_lora"]
     # the stopped arm's curve as far as it got: measured at the start, before its first checkpoint at 200
     assert report["partial"]["memory_lora"]["curve"] == [{"interactions": 0, "success": 0.0}]
     assert set(report["partial"]) == {"memory_lora"}
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_arms_start_longest_first_whatever_order_they_are_named_in():
+    from whet.world.bench import ARMS, longest_first
+
+    assert longest_first(["static", "memory", "lora", "memory_lora"]) == ["lora", "memory_lora", "memory", "static"]
+    assert longest_first(["memory", "static", "memory_lora"]) == ["memory_lora", "memory", "static"]
+    assert sorted(longest_first(ARMS)) == sorted(ARMS)
 
 
 def test_a_running_arms_checkpoints_are_in_the_json_as_they_are_measured(tmp_path, monkeypatch):
