@@ -558,7 +558,7 @@ def free_port() -> int:
 def longest_first(arms: Sequence[str]) -> list[str]:
     """``arms`` in the order the bench starts them: the arms that train (a step costs minutes), then
     those that only learn lessons, then ``static`` (measured twice, nothing learned). Run AA (alex, 2 cores):
-    memory_lora 47 min, lora 57, memory 14, static 3; with static before memory the run took 64 minutes,
+    memory_lora 47 min, lora 57, memory 13, static 3; with static before memory the run took 64 minutes,
     where longest first would end at about 61."""
     return sorted(arms, key=lambda arm: (not ARM_LEARNING[arm][1], not ARM_LEARNING[arm][0]))
 
