@@ -198,11 +198,16 @@ def test_training_values_are_far_wider_than_what_the_simulated_users_say():
         resolve_timezone(city)  # every one is a city the clock knows
 
 
-def test_the_chat_probe_asks_nothing_the_warm_start_trained_on():
+def test_the_chat_probe_and_the_gates_chats_ask_nothing_the_warm_start_trained_on():
     from whet.world.conversations import CHAT_PROMPTS
+    from whet.world.regression import CHATS, REHEARSAL_CHATS
     from whet.world.tasks import CHAT_PROBE
 
     assert len(CHAT_PROBE) >= 12 and not set(CHAT_PROBE) & set(CHAT_PROMPTS)
+    pinned = {request for request, _ in CHATS}
+    assert len(pinned) == len(CHATS) >= 40  # of every kind: greetings, feelings, opinions, how-to, meanings...
+    assert not pinned & set(CHAT_PROMPTS) and not pinned & set(CHAT_PROBE)
+    assert not pinned & {request for request, _ in REHEARSAL_CHATS}  # the gate checks what no step trains on
 
 
 def test_a_user_who_gives_wrong_feedback_ignores_what_was_right():

@@ -132,7 +132,31 @@ _CHAT_TOPICS: dict[str, tuple[str, ...]] = {
         "What should I cook for dinner tonight?", "Why is the sky blue?", "Can you recommend a good book?",
         "I'm bored, any ideas?", "How do I make a cup of tea?", "What is the meaning of life?",
         "What's a good name for a goldfish?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
-        "What is the largest planet?", "Say something nice.", "How do rainbows form?"),
+        "What is the largest planet?", "Say something nice.", "How do rainbows form?",
+        # small talk, feelings, opinions, how-to, advice and word meanings (here and below): the kinds of chat
+        # that a model which learned the tools turns into add_note calls ("I'm feeling a bit tired today.")
+        "Hey, what's up?", "How's it going?", "Good afternoon!", "Hello again!", "Are you there?",
+        "Thanks, you're great.", "Can we just chat for a bit?", "Do you ever sleep?", "Are you a person?",
+        "Do you have feelings?", "What are you good at?", "Where do you live?"),
+    "I'm feeling {} today.": ("happy", "stressed", "a bit sad", "lonely", "excited", "sleepy", "grumpy", "proud"),
+    "What's your favourite {}?": ("food", "book", "holiday", "number", "sport", "flower", "word", "planet"),
+    "Do you like {}?": ("pizza", "football", "poetry", "the rain", "jazz", "dogs", "winter", "board games"),
+    "How do I {}?": (
+        "make pancakes", "wash a wool jumper", "plant tomatoes", "fix a squeaky door", "make friends in a new city",
+        "remove a coffee stain", "stop procrastinating", "learn to juggle"),
+    "How can I {}?": (
+        "sleep better", "be more patient", "eat more vegetables", "stay calm before a meeting", "keep my plants alive",
+        "get better at chess", "make my mornings easier"),
+    "What does '{}' mean?": (
+        "bon appetit", "c'est la vie", "hakuna matata", "ad hoc", "status quo", "faux pas", "alter ego", "per se"),
+    "What does the word '{}' mean?": (
+        "ubiquitous", "melancholy", "resilient", "nostalgia", "eloquent", "curious", "meticulous", "whimsical"),
+    "Can you recommend {}?": (
+        "a podcast", "a hobby I can do at home", "a classic novel", "a board game for two", "a houseplant for beginners",
+        "a song to cheer me up", "a snack for a long walk"),
+    "Any advice for {}?": (
+        "a first day at a new job", "a long flight", "moving house", "a first date", "learning to cook",
+        "writing a thank-you card"),
 }
 CHAT_PROMPTS = tuple(template.format(topic) for template, topics in _CHAT_TOPICS.items() for topic in topics)
 
@@ -148,8 +172,8 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
     "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
     "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
 }
-KINDS = {"general": 0.33, "guess": 0.07, "lesson": 0.22, "hint": 0.09, "correction": 0.09, "thanks": 0.05,
-         "error": 0.03, "chat": 0.12}
+KINDS = {"general": 0.29, "guess": 0.06, "lesson": 0.21, "hint": 0.08, "correction": 0.08, "thanks": 0.05,
+         "error": 0.03, "chat": 0.20}
 # what a request's value turns into when the model writes it wrong: the tool refuses it
 BAD_VALUES = ("home", "my place", "here", "local", "the usual", "there", "my list", "?")
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")

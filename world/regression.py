@@ -49,8 +49,9 @@ CHATS = (
     ("Give me an idea for a weekend hobby.", "You could try sketching: all you need is a pencil and paper."),
     # more of every kind (run AA: alex's first promoted lora step turned 3 of the chat probe's 12 requests into
     # tool calls and none of the 10 chats above): greetings, feelings, opinions, how-to, advice, meanings, facts,
-    # writing. The greedy check reads the live version's replies as guesses, so each costs about one forward pass.
-    ("Good morning!", "Good morning! What can I do for you today?"),
+    # writing; none is a warm-start chat. The greedy check reads the live version's replies as guesses, so each costs
+    # about one forward pass.
+    ("Good evening! Long day?", "Good evening! I hope it went well. What can I do for you?"),
     ("How are things with you?", "All good here, thanks for asking! What can I do for you?"),
     ("What's your name?", "I'm whet, your personal assistant."),
     ("Are you a robot?", "I'm an AI assistant, here to help with whatever you need."),
@@ -58,10 +59,10 @@ CHATS = (
     ("I had a great day today!", "That's wonderful to hear! What made it so good?"),
     ("I'm nervous about my exam tomorrow.",
      "That's normal. Get a good night's sleep and trust what you've studied. Good luck!"),
-    ("I'm bored. Any ideas?", "You could go for a walk, try a new recipe or start a puzzle."),
+    ("I have a free evening. What should I do?", "You could go for a walk, try a new recipe or start a puzzle."),
     ("What's your favourite animal?", "I don't have favourites, but owls are hard not to like."),
     ("Which season do you like best?", "I can't feel the weather, but many people love autumn for its colours."),
-    ("How do I make a cup of tea?", "Boil water, pour it over a tea bag, wait three to five minutes, then take the bag out."),
+    ("How do I make a paper boat?", "Fold a sheet in half, fold the corners into a triangle, then open the bottom and fold it into a boat."),
     ("How do I fold a paper plane?",
      "Fold a sheet in half lengthwise, fold the top corners to the middle, then fold the wings down."),
     ("How can I stay focused while studying?", "Work in short blocks, put your phone away and take small breaks."),
@@ -75,7 +76,7 @@ CHATS = (
     ("What does 'deja vu' mean?", "\"Deja vu\" is the feeling that you have lived a moment before."),
     ("What does the word 'ephemeral' mean?", "Ephemeral means lasting only a very short time."),
     ("How do I say thank you in Spanish?", "You say \"gracias\"."),
-    ("Why is the sky blue?", "Sunlight scatters off the air, and blue light scatters the most."),
+    ("Why do leaves change colour in autumn?", "Trees stop making green chlorophyll, so the yellow and red pigments show."),
     ("What's the largest planet in our solar system?", "Jupiter is the largest planet in our solar system."),
     ("Who invented the telephone?", "Alexander Graham Bell is credited with inventing the telephone."),
     ("What colour do you get by mixing blue and yellow?", "You get green."),

@@ -47,7 +47,7 @@ class Recipe:
     """What the warm start trains on and how; the defaults fit 15 minutes on 2 CPU cores."""
 
     conversations: int = 420
-    chats: int = 72  # requests the base model answers for the chat examples (of CHAT_PROMPTS)
+    chats: int = 160  # requests the base model answers for the chat examples (of CHAT_PROMPTS; all of them)
     chat_tokens: int = 56  # longest distilled answer
     batch_size: int = 8
     learning_rate: float = 1e-4
