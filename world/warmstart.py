@@ -47,7 +47,7 @@ class Recipe:
     """What the warm start trains on and how; the defaults fit 15 minutes on 2 CPU cores."""
 
     conversations: int = 420
-    chats: int = 160  # requests the base model answers for the chat examples (of CHAT_PROMPTS; all of them)
+    chats: int | None = None  # requests the base model answers for the chat examples, of CHAT_PROMPTS (None: all)
     chat_tokens: int = 56  # longest distilled answer
     batch_size: int = 8
     learning_rate: float = 1e-4
@@ -132,7 +132,8 @@ def self_distill(model: Any, tokenizer: Any, recipe: Recipe, report: Progress) -
     from whet.world.conversations import CHAT_PROMPTS
 
     rng = random.Random(f"chat:{recipe.seed}")
-    requests = rng.sample(CHAT_PROMPTS, min(recipe.chats, len(CHAT_PROMPTS)))
+    count = len(CHAT_PROMPTS) if recipe.chats is None else min(recipe.chats, len(CHAT_PROMPTS))
+    requests = rng.sample(CHAT_PROMPTS, count)
     system = AgentConfig().system_prompt
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
