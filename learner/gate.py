@@ -31,7 +31,7 @@ from statistics import fmean
 from typing import Any
 
 from whet.config.settings import ConfigError
-from whet.learner.prompt import prompt_text, split_tool_calls
+from whet.learner.prompt import TOOL_CALL_OPEN, prompt_text, split_tool_calls
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ def read_records(path: Path, key: str = "learner.gate.regression_set") -> list[d
 # -- the greedy check: what each pinned reply must do -------------------------------------------
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+ANSWER_OPENING = 16  # tokens of a greedy reply that decide whether a pinned chat is still answered
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,12 @@ class PinnedAction:
     from 0.94 to 0.62. This check reads the reply itself: a pinned tool call must be made with
     the same tool and the same arguments (an argument left out equals its schema default; text
     compared without case or spaces), and a pinned answer must be an answer (some text, no tool
-    call) that keeps every number it takes from the turn's tool results."""
+    call) that keeps every number it takes from the turn's tool results.
+
+    A pinned answer with no number to keep is decided by its opening (:meth:`tokens`): a chat
+    the policy turns into a tool call opens with the call, so decoding the rest of a long answer
+    (most of the greedy check's time with 41 pinned chats) tells nothing more. The price: a reply
+    that writes :data:`ANSWER_OPENING` tokens of text and only then calls a tool passes."""
 
     calls: tuple[tuple[str, str], ...]  # (tool, canonical arguments) of the pinned reply
     defaults: dict[str, dict[str, Any]]  # tool -> argument -> its schema default
@@ -182,12 +188,19 @@ class PinnedAction:
         numbers = frozenset(_NUMBER.findall(record["response"])) & frozenset(_NUMBER.findall(results)) if not calls else frozenset()
         return cls(tuple(_canonical(defaults, name, arguments) for name, arguments in calls), defaults, numbers)
 
+    def tokens(self, pinned: int) -> int:
+        """How many tokens of a greedy reply :meth:`kept` reads, for a pinned reply of ``pinned``
+        tokens: all of it and a few more, or only the opening of an answer with no number to keep."""
+        return pinned + 8 if self.calls or self.numbers else min(pinned + 8, ANSWER_OPENING)
+
     def kept(self, reply: str) -> bool:
         content, calls, errors = split_tool_calls(reply)
         if errors or len(calls) != len(self.calls):
             return False
         if self.calls:
             return all(_canonical(self.defaults, *call) == want for call, want in zip(calls, self.calls, strict=True))
+        if any(content.endswith(TOOL_CALL_OPEN[:n]) for n in range(2, len(TOOL_CALL_OPEN))):
+            return False  # a reply cut off (:meth:`tokens`) as it opened a tool call
         return bool(content) and self.numbers <= set(_NUMBER.findall(content))
 
 

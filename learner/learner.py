@@ -503,11 +503,12 @@ class Learner:
     def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]],
               guesses: list[list[int]] | None) -> tuple[list[bool], list[list[int]]]:  # fmt: skip
         """Whether the adapter in ``trainer`` answers each pinned turn, greedily, as it pins
-        (:class:`PinnedAction`), and its replies; a reply gets the pinned reply's length and a few
-        tokens more. ``guesses``: replies it likely gives (the live version's), which only save time."""
+        (:class:`PinnedAction`), and its replies, as long as :meth:`PinnedAction.tokens` reads.
+        ``guesses``: replies it likely gives (the live version's), which only save time."""
         if not self._pinned or len(self._pinned) != len(regression):
             return [], []
-        replies = trainer.greedy_actions([p for p, _ in regression], [len(r) + 8 for _, r in regression], guesses)
+        limits = [pinned.tokens(len(r)) for pinned, (_, r) in zip(self._pinned, regression, strict=True)]
+        replies = trainer.greedy_actions([p for p, _ in regression], limits, guesses)
         stops = stop_token_ids(trainer.tokenizer, trainer.model)
         texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
         return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies

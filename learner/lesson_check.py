@@ -71,6 +71,7 @@ class LessonCheck:
 
     async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
         """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent
-        would send them; long enough for the pinned reply and a little more."""
+        would send them; as long as the gate's greedy check reads (:meth:`PinnedAction.tokens` of the
+        pinned reply, at about three characters a token)."""
         prompt = prompt_with_lessons(turn.messages, [h.text for h in lessons], self.agent.system_prompt)
-        return await self.generate(user_id, prompt, turn.tools, len(turn.response) // 3 + 16)
+        return await self.generate(user_id, prompt, turn.tools, turn.action.tokens(len(turn.response) // 3 + 8))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from whet.learner.gate import PinnedAction, PromotionGate, Replayed
+from whet.learner.gate import ANSWER_OPENING, PinnedAction, PromotionGate, Replayed
 
 
 def test_one_regression_item_falling_far_is_rejected_even_when_the_average_holds():
@@ -74,3 +74,16 @@ def test_a_pinned_answer_calls_nothing_and_keeps_the_numbers_it_read_from_the_to
     small_talk = _pinned("A giraffe's tongue can be about 50 centimetres long.")  # 50 comes from no tool
     assert small_talk.kept("Giraffes sleep standing up.") and not small_talk.kept(_call('{"text": "giraffes"}'))
     assert not small_talk.kept("")  # a reply that ends at once answers nothing
+
+
+def test_the_greedy_check_reads_only_the_opening_of_an_answer_with_no_number_to_keep():
+    messages = [{"role": "user", "content": "What's 22 plus 45?"},
+                {"role": "assistant", "content": "", "tool_calls": []},
+                {"role": "tool", "content": '{"expression": "22 + 45", "result": 67}'}]  # fmt: skip
+    assert _pinned("The answer is 67.", messages).tokens(40) == 48  # its number must be read
+    assert _pinned(_call('{"text": "my shoe size is 43"}')).tokens(40) == 48  # a call is read whole
+    small_talk = _pinned("Giraffes sleep standing up, and only for a few minutes at a time.")
+    assert small_talk.tokens(40) == ANSWER_OPENING and small_talk.tokens(3) == 11
+    assert not small_talk.kept("<tool_call>\n{\"name\": \"add_note\", \"argu")  # a call cut off
+    assert not small_talk.kept("Sure! <tool_")  # cut off as the call opened
+    assert small_talk.kept("Giraffes sleep standing up, and only")  # an answer cut off
