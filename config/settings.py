@@ -359,6 +359,10 @@ class LearnerConfig(Section):
     # say rather than memorise it (needs whet serve's lesson index; `whet learn` trains on prompts
     # as recorded); false: always as recorded
     relesson: bool = True
+    # false: a request that is a correction ("No, I meant Tokyo time.") does not train its first call on
+    # its own prompt, where a short complaint answered with a tool call teaches small talk to call tools;
+    # what it corrects is taught by the hint on the corrected request. true: it trains like any turn
+    train_corrections: bool = True
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)

@@ -67,6 +67,7 @@ from whet.learner.judge import (
     OpenAIChat,
     RulesJudge,
     Verdict,
+    correction_hint,
 )
 from whet.learner.lesson_check import Generate, LessonCheck
 from whet.learner.lessons import ignores_correction, lesson_for
@@ -301,7 +302,8 @@ class Learner:
                 reason=reason or verdict.reason,
                 judge=verdict.judge,
                 split=self._split(turn.request_id),
-                trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self._trains(turn.user_id),
+                trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self._trains(turn.user_id)
+                and (self.config.train_corrections or not answers_correction(turn)),
             )
         )
 
@@ -615,6 +617,12 @@ def _reads_tool_results(turn: Turn) -> bool:
     """Whether the turn's prompt ends with tool results: the step after a tool call."""
     messages = turn.prompt_messages or []
     return bool(messages) and messages[-1].get("role") == "tool"
+
+
+def answers_correction(turn: Turn) -> bool:
+    """Whether ``turn`` is the first step of a request that corrects the one before it: its user message
+    is one the judge reads a correction from (:func:`correction_hint`)."""
+    return turn.step == 0 and correction_hint(last_user_text(turn.prompt_messages)) is not None
 
 
 def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str) -> list[int]:

@@ -674,6 +674,34 @@ async def test_a_call_that_ignored_the_correction_gets_no_credit_when_the_user_m
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("train_corrections", [True, False])
+async def test_a_corrections_own_call_trains_only_when_train_corrections_is_on(tmp_path, store, train_corrections):
+    """"No, I meant Lisbon time" answered with now(Lisbon), then thanked: with ``train_corrections`` off
+    that call is judged (+1) but trains nothing; the answer it led to, and the corrected request, still train."""
+    bus, experience, learner = await judging(tmp_path, store, train_corrections=train_corrections)
+    session, step0, step1 = await time_at_home(store, experience, "Europe/Paris", "10:00", "It is 10:00.")
+    await learner.catch_up()
+    correction = {"role": "user", "content": "No, I meant Lisbon time"}
+    await experience.close_open(session.id, "user_message", {"messages": [correction]})
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"},
+             {"role": "assistant", "content": "It is 10:00."}, correction]  # fmt: skip
+    call = {"id": "c2", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
+    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-2", "model": "tiny"}
+    retry = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
+                                               response_token_ids=[4, 5], response_logprobs=[-0.1, -0.2]))  # fmt: skip
+    await experience.close(retry.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "09:00"}]})
+    answer = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 09:00.",
+                                                response_token_ids=[6], response_logprobs=[-0.3]))  # fmt: skip
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
+    await learner.catch_up()
+    judged = {t.id: await store.get_judgment(t.id) for t in (step0, step1, retry, answer)}
+    assert [judged[t.id].score for t in (step0, step1, retry, answer)] == [-1, -1, 1, 1]
+    assert judged[step0.id].trainable and judged[step1.id].trainable and judged[answer.id].trainable
+    assert judged[retry.id].trainable is train_corrections
+    await bus.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(tmp_path, store):
     bus, experience, learner = await judging(tmp_path, store, lessons=False)
     error = "error: Unknown timezone 'Espresso'."
