@@ -618,15 +618,21 @@ async def time_at_home(store: Store, experience: Experience, timezone: str, resu
     whose tool returned ``result``, then ``answer``; the answer's turn is left open for the user's reply."""
     session = await store.create_session("alice")
     asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
-    arguments = json.dumps({"timezone": timezone})
-    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}
-    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
+    return (session, *await answered_with_now(experience, session.id, "req-1", asked, timezone, result, answer))
+
+
+async def answered_with_now(experience: Experience, session_id: str, request_id: str, asked: list[dict],
+                            timezone: str, result: str, answer: str) -> tuple:  # fmt: skip
+    """(call turn, answer turn) of alice's request ``request_id`` on ``asked``: a call of now(timezone) whose
+    tool returned ``result``, then ``answer``; the answer's turn is left open for the user's reply."""
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": json.dumps({"timezone": timezone})}}
+    common = {"session_id": session_id, "user_id": "alice", "request_id": request_id, "model": "tiny"}
     step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
                                                response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
     await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": result}]})
     step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text=answer,
                                                response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
-    return session, step0, step1
+    return step0, step1
 
 
 @pytest.mark.anyio
@@ -658,13 +664,7 @@ async def test_a_call_that_ignored_the_correction_gets_no_credit_when_the_user_m
     asked = [SYSTEM, {"role": "user", "content": "What time is it at Sam's place?"},
              {"role": "assistant", "content": "It is 10:31 in Sydney."},
              {"role": "user", "content": "No, I meant Tokyo time, Sam lives in Tokyo."}]  # fmt: skip
-    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Tbilisi"}'}}
-    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-1", "model": "tiny"}
-    step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
-                                               response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
-    await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "03:32"}]})
-    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 03:32 in Tokyo.",
-                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+    step0, step1 = await answered_with_now(experience, session.id, "req-1", asked, "Tbilisi", "03:32", "It is 03:32 in Tokyo.")
     await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Alright."}]})
     await learner.catch_up()
     assert (await store.get_judgment(step1.id)).score == 1
@@ -685,13 +685,7 @@ async def test_a_corrections_own_call_trains_only_when_train_corrections_is_on(t
     await experience.close_open(session.id, "user_message", {"messages": [correction]})
     asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"},
              {"role": "assistant", "content": "It is 10:00."}, correction]  # fmt: skip
-    call = {"id": "c2", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
-    common = {"session_id": session.id, "user_id": "alice", "request_id": "req-2", "model": "tiny"}
-    retry = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
-                                               response_token_ids=[4, 5], response_logprobs=[-0.1, -0.2]))  # fmt: skip
-    await experience.close(retry.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": "09:00"}]})
-    answer = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text="It is 09:00.",
-                                                response_token_ids=[6], response_logprobs=[-0.3]))  # fmt: skip
+    retry, answer = await answered_with_now(experience, session.id, "req-2", asked, "Lisbon", "09:00", "It is 09:00.")
     await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
     await learner.catch_up()
     judged = {t.id: await store.get_judgment(t.id) for t in (step0, step1, retry, answer)}

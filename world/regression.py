@@ -49,7 +49,8 @@ CHATS = (
     ("Give me an idea for a weekend hobby.", "You could try sketching: all you need is a pencil and paper."),
     # more of every kind (run AA: alex's first promoted lora step turned 3 of the chat probe's 12 requests into
     # tool calls and none of the 10 chats above): greetings, feelings, opinions, how-to, advice, meanings, facts,
-    # writing; none is a warm-start chat. They add to the greedy check's time (run AB: 68-76 s a step, run AA 19-48 s).
+    # writing; none is a warm-start chat. They add to the greedy check's time (run AB: 68-76 s a step, run AA 19-48 s),
+    # which reads each chat's reply only to its first tokens (learner.gate.ANSWER_OPENING).
     ("Good evening! Long day?", "Good evening! I hope it went well. What can I do for you?"),
     ("How are things with you?", "All good here, thanks for asking! What can I do for you?"),
     ("What's your name?", "I'm whet, your personal assistant."),
