@@ -362,7 +362,7 @@ class LearnerConfig(Section):
     # false: a request that is a correction ("No, I meant Tokyo time.") does not train its first call on
     # its own prompt, where a short complaint answered with a tool call teaches small talk to call tools;
     # what it corrects is taught by the hint on the corrected request. true: it trains like any turn
-    train_corrections: bool = True
+    train_corrections: bool = False
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)
