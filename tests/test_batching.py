@@ -234,6 +234,25 @@ def test_auto_is_float32_on_gpus_that_only_emulate_bfloat16_for_serving_and_trai
     assert serving_dtype("bfloat16", device) == "bfloat16" and use_bfloat16("bfloat16", device)
 
 
+@pytest.mark.parametrize("machine, onednn, avx512_bf16, amx, bf16", [
+    ("x86_64", True, False, False, False),  # AVX-512 without its bfloat16 instructions: oneDNN emulates them
+    ("x86_64", True, True, False, True), ("x86_64", True, False, True, True), ("x86_64", False, True, True, False),
+    ("aarch64", True, False, False, True), ("aarch64", False, False, False, False),
+])  # fmt: skip
+def test_auto_trains_in_bfloat16_on_a_cpu_only_where_it_has_native_bfloat16(monkeypatch, machine, onednn, avx512_bf16,
+                                                                           amx, bf16):  # fmt: skip
+    import platform
+
+    from whet.learner.trainer import use_bfloat16
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert use_bfloat16("auto", torch.device("cpu")) is bf16
+    assert use_bfloat16("bfloat16", torch.device("cpu")) and not use_bfloat16("float32", torch.device("cpu"))
+
+
 @pytest.mark.anyio
 async def test_a_bfloat16_backend_serves_in_bfloat16_with_float32_log_probs(model_dir):
     from whet.runtime.hf import TransformersBackend
