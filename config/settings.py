@@ -293,6 +293,12 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     learning_rate: float = Field(1e-4, gt=0.0)
+    # adamw, or sgd: a plain gradient step (lr x the clipped gradient). A step that starts from the base
+    # weights (every candidate while the gate rejects) starts AdamW afresh, and AdamW's first updates
+    # move every adapter weight by about the learning rate whatever its gradient (m / sqrt(v) is its
+    # sign): the weights the batch barely touches move as far as the ones it needs. SGD moves each in
+    # proportion to its gradient; its learning rate is on another scale (about 1000x AdamW's)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # optimizer passes over each batch (the hinted teacher's side is computed once): few

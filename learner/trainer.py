@@ -106,6 +106,8 @@ class LoraTrainer:
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.lora.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
         return torch.optim.AdamW(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
 
     # -- state ----------------------------------------------------------------
@@ -130,7 +132,10 @@ class LoraTrainer:
         self.optimizer = self._new_optimizer()
         saved = Path(adapter_dir) / OPTIMIZER_STATE if adapter_dir is not None else None
         if saved is not None and saved.is_file():
-            self.optimizer.load_state_dict(torch.load(saved, map_location=self.device, weights_only=True))
+            state = torch.load(saved, map_location=self.device, weights_only=True)
+            # a version another optimizer made (learner.lora.optimizer changed): this one starts afresh
+            if set(state["param_groups"][0]) == set(self.optimizer.state_dict()["param_groups"][0]):
+                self.optimizer.load_state_dict(state)
 
     def save(self, out_dir: Path) -> None:
         """Write the adapter (peft safetensors format) and the optimizer state into ``out_dir``."""

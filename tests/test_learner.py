@@ -205,6 +205,43 @@ def test_a_step_rehearses_calls_of_the_tools_its_batch_called():
     assert len(rehearsal_draw(items, 20, set(), "v")) == len(items)
 
 
+def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(
+        tiny_model, tmp_path):  # fmt: skip
+    """``lora.optimizer: sgd``: one pass changes every LoRA weight by ``lr`` times its (clipped) gradient, so
+    the weights the batch barely touches barely move; AdamW's first pass moves each by about ``lr``
+    whatever its gradient. A version saved by AdamW resumes under SGD with its weights and a fresh state."""
+    moves = {}
+    for name in ("sgd", "adamw"):
+        torch.manual_seed(0)
+        lr = 0.5 if name == "sgd" else 1e-3
+        trainer = new_trainer(tiny_model, "rl", LORA.model_copy(update={"optimizer": name, "learning_rate": lr,
+                                                                         "max_grad_norm": 1e9}))  # fmt: skip
+        adapter_with_effect(trainer)
+        good = sample(trainer, "t1", "What time is it?", "It is nine.", 1)
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        trainer.step([good], baseline=0.0)
+        grads = torch.cat([params[n].grad.flatten() for n in params])  # the one pass's gradient
+        moved = torch.cat([(params[n].detach() - before[n]).flatten() for n in params])
+        moves[name] = (grads, moved, lr)
+        if name == "adamw":
+            trainer.save(tmp_path / "adamw")
+            saved = trainer.lora_state()
+    grads, moved, lr = moves["sgd"]
+    torch.testing.assert_close(moved, -lr * grads, rtol=1e-3, atol=1e-8)
+    grads, moved, lr = moves["adamw"]
+    touched = grads.abs() > 1e-6
+    ratio = moved[touched].abs() / lr
+    assert float(ratio.min()) > 0.5 and float(ratio.max()) < 1.5  # the sign of the gradient, times lr
+    assert float(grads[touched].abs().max() / grads[touched].abs().min()) > 100  # though the gradients differ 100x
+
+    again = new_trainer(tiny_model, "rl", LORA.model_copy(update={"optimizer": "sgd"}))
+    again.reset(tmp_path / "adamw")
+    assert isinstance(again.optimizer, torch.optim.SGD) and not again.optimizer.state_dict()["state"]
+    assert all(torch.equal(v, again.lora_state()[k]) for k, v in saved.items())
+    again.step([sample(again, "t1", "What time is it?", "It is nine.", 1)], baseline=0.0)
+
+
 def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
     from whet.config.settings import ConfigError, WhetConfig
     from whet.learner.learner import check_config
