@@ -36,6 +36,19 @@ _STEPS = """select id, status, json_extract(metrics, '$.gate.regression_actions_
            from adapters where id <= ? order by id"""
 
 
+def _known(key: str) -> bool:
+    """Whether ``key`` (dotted) is a setting of this checkout's config, though the kept arm's whet.yaml,
+    written by an older one, lacks it."""
+    from whet.config.settings import WhetConfig
+
+    node: object = WhetConfig()
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
+
 def copy_store(arm: Path, out: Path, through: str) -> int:
     """The arm's store in ``out/data`` as its learner had it when step ``through`` was made, with
     those steps' samples untrained; returns how many samples there are to train."""
@@ -68,7 +81,7 @@ def replay_config(arm: Path, out: Path, overrides: list[str]) -> Path:
         node = config
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or leaf not in node:
+        if not isinstance(node, dict) or (leaf not in node and not _known(key)):
             raise SystemExit(f"error: --set {key}: the arm's config has no such setting")
         parsed = yaml.safe_load(value)
         if isinstance(node[leaf], float) and isinstance(parsed, str):

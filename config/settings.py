@@ -346,6 +346,9 @@ class RehearsalConfig(Section):
     set: str | None = "bundled"
     per_step: int = Field(16, ge=0)  # items drawn into every step
     weight: float = Field(1.0, ge=0.0)  # their token-mean log-likelihood loss, times this
+    # and their first tokens' mean log-likelihood loss, times this: a reply's first token decides between a
+    # tool call and an answer, and is one token of some forty in a chat reply's share of the token mean
+    first_token_weight: float = Field(0.0, ge=0.0)
 
 
 class LearnerConfig(Section):

@@ -448,7 +448,8 @@ class Learner:
         called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
         with clock("train"):
-            stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight)
+            stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
+                                 self.config.rehearsal.first_token_weight)  # fmt: skip
         baseline.update([s.score for s in samples])
         with clock("replay_after"):
             after = trainer.mean_logprobs([(p, r) for _, p, r in held])

@@ -290,14 +290,17 @@ class LoraTrainer:
     # -- the step ---------------------------------------------------------------
 
     def step(self, samples: Sequence[Sample], baseline: float,
-             rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0) -> dict[str, float]:  # fmt: skip
+             rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0,
+             rehearsal_first: float = 0.0) -> dict[str, float]:  # fmt: skip
         """One training step on ``samples``: ``lora.epochs`` optimizer passes over them (the
         teacher's side, computed once before the first); returns the objective's statistics of
         the last pass, with the first pass's loss as ``loss_first``.
 
         ``rehearsal``: (prompt ids, response ids) of general skill learnt beside the samples in
         every pass, ``rehearsal_weight`` times their token-mean negative log-likelihood: what a
-        batch of one user's requests teaches, it teaches beside what everyone needs kept."""
+        batch of one user's requests teaches, it teaches beside what everyone needs kept;
+        ``rehearsal_first`` times their first tokens' mean negative log-likelihood besides (the token
+        that decides between a tool call and an answer, see :meth:`_rehearse`)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         full = getattr(self.objective, "needs_distributions", False)
@@ -305,7 +308,8 @@ class LoraTrainer:
         first: float | None = None
         with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal]):
             for _ in range(self.lora.epochs):
-                stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight)
+                stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight,
+                                   rehearsal_first)  # fmt: skip
                 first = stats["loss"] if first is None else first
         stats["loss_first"] = float(first if first is not None else 0.0)
         stats["samples"] = float(len(samples))
@@ -334,7 +338,7 @@ class LoraTrainer:
     def _pass(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
               actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
               rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
-              rehearsal_weight: float = 1.0) -> dict[str, float]:  # fmt: skip
+              rehearsal_weight: float = 1.0, rehearsal_first: float = 0.0) -> dict[str, float]:  # fmt: skip
         """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
         The importance ratio stays against the behaviour log-probs, so the clip bounds how far
         all of a step's passes together move the policy on the RL part.
@@ -360,8 +364,8 @@ class LoraTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # as far as the leaves
             self._carry(samples, actions, student, learnt)
-            if rehearsal and rehearsal_weight > 0:
-                stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight)
+            if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
+                stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
             params = [p for p in self.model.parameters() if p.requires_grad]
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
             self.optimizer.step()
@@ -411,9 +415,16 @@ class LoraTrainer:
             if a and leaf.grad is not None and bool(leaf.grad.any()):
                 self.response_logprobs(s.prompt_ids, a).backward(leaf.grad)
 
-    def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float) -> float:
+    def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float,
+                  first: float = 0.0) -> float:  # fmt: skip
         """Adds to the gradients ``weight`` times the gradient of the items' token-mean negative
-        log-likelihood, one item at a time, and returns that mean.
+        log-likelihood, one item at a time, and returns that mean; and ``first`` times the gradient of
+        their first tokens' mean negative log-likelihood.
+
+        A reply's first token decides whether it is a tool call (``<tool_call>``) or an answer, and
+        that decision is what a batch of one user's calls moves on small talk ("Good evening! Long
+        day?" answered with ``add_note``); in the token mean, a chat reply's first token is one of
+        some forty.
 
         The mean over all the items' tokens is a sum of one term per item, so each item's graph is
         built, backpropagated and freed before the next: one rehearsal item's activations (its response
@@ -423,7 +434,7 @@ class LoraTrainer:
         total = 0.0
         for prompt, response in items:
             logp = self.response_logprobs(prompt, response)  # [T]
-            (-weight * logp.sum() / tokens).backward()
+            (-weight * logp.sum() / tokens - first * logp[0] / len(items)).backward()
             total -= float(logp.detach().sum())
         return total / tokens
 

@@ -155,9 +155,11 @@ def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
 
 
-def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all_its_tokens(tiny_model):
+@pytest.mark.parametrize("first", [0.0, 2.0])
+def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all_its_tokens(tiny_model, first):
     """One item's graph at a time (a step's memory does not grow with its rehearsal), and the same
-    gradient as the token mean over every item at once, items of different lengths weighed by their tokens."""
+    gradient as the token mean over every item at once, items of different lengths weighed by their tokens;
+    with ``first``, plus that times the mean over the items' first tokens (each item counted once)."""
     trainer = new_trainer(tiny_model)
     trainer.reset(None)
     adapter_with_effect(trainer)
@@ -166,12 +168,13 @@ def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     trainer.model.zero_grad(set_to_none=True)
-    whole = torch.cat([trainer.response_logprobs(p, r) for p, r in items])
-    (-0.5 * whole.mean()).backward()
+    each = [trainer.response_logprobs(p, r) for p, r in items]
+    whole = torch.cat(each)
+    (-0.5 * whole.mean() - first * torch.stack([e[0] for e in each]).mean()).backward()
     expected = [p.grad.clone() for p in params]
 
     trainer.model.zero_grad(set_to_none=True)
-    loss = trainer._rehearse(items, 0.5)
+    loss = trainer._rehearse(items, 0.5, first)
     assert loss == pytest.approx(float(-whole.detach().mean()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
