@@ -78,13 +78,16 @@ def replay_config(arm: Path, out: Path, overrides: list[str]) -> Path:
         if not sep:
             raise SystemExit(f"error: --set {item!r}: write it as dotted.key=value")
         *parents, leaf = key.split(".")
+        known = _known(key)
         node = config
         for part in parents:
+            if known and isinstance(node, dict) and part not in node:
+                node[part] = {}  # a section newer than the arm's whet.yaml
             node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or (leaf not in node and not _known(key)):
+        if not isinstance(node, dict) or (leaf not in node and not known):
             raise SystemExit(f"error: --set {key}: the arm's config has no such setting")
         parsed = yaml.safe_load(value)
-        if isinstance(node[leaf], float) and isinstance(parsed, str):
+        if isinstance(node.get(leaf), float) and isinstance(parsed, str):
             parsed = _number(key, parsed)  # YAML 1.1 reads 5e-4 as a string
         node[leaf] = parsed
     path = out / "whet.yaml"

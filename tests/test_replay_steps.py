@@ -73,8 +73,11 @@ def test_overrides_apply_to_the_arms_config_and_an_unknown_setting_is_named(repl
     config = yaml.safe_load(path.read_text())
     assert config["data_dir"] == str(tmp_path / "out" / "data")
     assert config["learner"]["lora"] == {"learning_rate": 5e-4, "epochs": 2}
-    with pytest.raises(SystemExit, match="learner.lora.rank: the arm's config has no such setting"):
-        replay.replay_config(arm, tmp_path / "out", ["learner.lora.rank=4"])
+    # a setting this checkout has and the arm's (older) whet.yaml lacks is added; one nobody has is named
+    path = replay.replay_config(arm, tmp_path / "out", ["learner.rehearsal.first_token_weight=1.5"])
+    assert yaml.safe_load(path.read_text())["learner"]["rehearsal"] == {"first_token_weight": 1.5}
+    with pytest.raises(SystemExit, match="learner.lora.ranks: the arm's config has no such setting"):
+        replay.replay_config(arm, tmp_path / "out", ["learner.lora.ranks=4"])
     with pytest.raises(SystemExit, match="dotted.key=value"):
         replay.replay_config(arm, tmp_path / "out", ["learner.lora.epochs"])
 
