@@ -88,7 +88,7 @@ def main() -> int:
         samples.append(module.Sample(f"t{i}", prompt, response, behaviour, -1 if i % 2 == 0 else 1, teacher_prompt_ids=hinted))
     before = peak_mb()
     started = time.perf_counter()
-    stats = trainer.step(samples, 0.0, rehearsal, config.rehearsal.weight)
+    stats = trainer.step(samples, 0.0, rehearsal, config.rehearsal.weight, config.rehearsal.first_token_weight)
     took = time.perf_counter() - started
     prompts = sum(len(p) for p, _ in rehearsal) + sum(len(s.prompt_ids) for s in samples)
     print(f"trainer {args.trainer_from or 'as it is'}: {args.samples} samples + {args.rehearsal} rehearsal items, one pass, "
