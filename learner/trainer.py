@@ -106,9 +106,8 @@ class LoraTrainer:
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.lora.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
+        kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[self.lora.optimizer]
+        return kind(params, lr=self.lora.learning_rate, weight_decay=self.lora.weight_decay)
 
     # -- state ----------------------------------------------------------------
 
