@@ -49,9 +49,11 @@ import structlog
 
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
 from whet.learner.gate import (
+    ANSWER_OPENING,
     PinnedAction,
     PromotionGate,
     Replayed,
+    answers,
     encode_records,
     load_regression_set,
     pinned_turns,
@@ -450,6 +452,8 @@ class Learner:
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
                                  self.config.rehearsal.first_token_weight)  # fmt: skip
+        with clock("repair"):
+            repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])
         with clock("replay_after"):
             after = trainer.mean_logprobs([(p, r) for _, p, r in held])
@@ -467,6 +471,7 @@ class Learner:
             "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, batch, strict=True)),
             "baseline": baseline.to_dict(),
             "train": stats,
+            "repairs": repairs,  # the rehearsal set's small talk opening with a call, before each repair pass
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
             "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
@@ -490,6 +495,29 @@ class Learner:
         picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version)
         return [self._rehearsal[i] for i in picked]
 
+    def _repair(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> list[int]:
+        """``learner.rehearsal.repair_passes``: while the trained candidate opens any of the rehearsal set's
+        small talk with a tool call (greedy, as the gate reads a pinned chat), up to that many
+        :meth:`LoraTrainer.repair` passes on those chats beside the step's ``rehearsal``. Returns how
+        many chats opened with a call before each pass and after the last ([] when off).
+
+        Why: a step that teaches one user's values for short requests also moves short chats that sit
+        near the call/answer boundary towards a call, a few a step, and which ones changes from step to
+        step (stop 36). The gate's pinned chats are other chats; this is the learner checking its own."""
+        passes = self.config.rehearsal.repair_passes
+        talk = [item for item, called in zip(self._rehearsal, self._rehearsal_tools, strict=True) if not called]
+        if not passes or not talk:
+            return []
+        counts = []
+        for n in range(passes + 1):
+            replies = trainer.greedy_actions([p for p, _ in talk], [ANSWER_OPENING] * len(talk), [r for _, r in talk])
+            lost = [item for item, text in zip(talk, _texts(trainer, replies), strict=True) if not answers(text)]
+            counts.append(len(lost))
+            if not lost or n == passes:
+                break
+            trainer.repair(lost, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
+        return counts
+
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
                            regression: list[tuple[list[int], list[int]]],
                            ) -> tuple[list[float], list[bool], list[list[int]]]:  # fmt: skip
@@ -512,9 +540,7 @@ class Learner:
             return [], []
         limits = [pinned.tokens(len(r)) for pinned, (_, r) in zip(self._pinned, regression, strict=True)]
         replies = trainer.greedy_actions([p for p, _ in regression], limits, guesses)
-        stops = stop_token_ids(trainer.tokenizer, trainer.model)
-        texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
-        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
+        return [pinned.kept(text) for pinned, text in zip(self._pinned, _texts(trainer, replies), strict=True)], replies
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None) -> Sample:
         """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
@@ -667,6 +693,12 @@ def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]
         if response:
             out.append((prompt, response))
     return out
+
+
+def _texts(trainer: LoraTrainer, replies: list[list[int]]) -> list[str]:
+    """Greedy replies as text, without the end-of-turn token they stopped on."""
+    stops = stop_token_ids(trainer.tokenizer, trainer.model)
+    return [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
 
 
 def _parent_state(live: Adapter | None) -> dict[str, Any]:

@@ -245,6 +245,73 @@ def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves
     again.step([sample(again, "t1", "What time is it?", "It is nine.", 1)], baseline=0.0)
 
 
+def test_a_repair_pass_learns_the_lost_chats_whole_and_their_first_tokens_beside_the_steps_rehearsal(tiny_model):
+    """``LoraTrainer.repair``: one optimizer pass whose gradient is the lost chats' token-mean and first-token
+    negative log-likelihood at full weight, plus the step's rehearsal as the step weighs it; no sample."""
+    lr = 0.5
+    trainer = new_trainer(tiny_model, "rl", LORA.model_copy(update={"optimizer": "sgd", "learning_rate": lr,
+                                                                     "max_grad_norm": 1e9}))  # fmt: skip
+    trainer.reset(None)
+    adapter_with_effect(trainer)
+    lost = [encode_turn(trainer, "Good evening! Long day?", "Good evening! What can I do for you?")[1:],
+            encode_turn(trainer, "Suggest a song.", "Try this one.")[1:]]  # fmt: skip
+    kept = [encode_turn(trainer, "Time in Oslo?", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')[1:]]
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    trainer.model.zero_grad(set_to_none=True)
+    each = [trainer.response_logprobs(p, r) for p, r in lost]
+    rehearsed = trainer.response_logprobs(*kept[0])
+    (-torch.cat(each).mean() - torch.stack([e[0] for e in each]).mean()
+     - 0.5 * rehearsed.mean() - 2.0 * rehearsed[0]).backward()  # fmt: skip
+    expected = torch.cat([params[n].grad.flatten() for n in params])
+    before = torch.cat([p.detach().flatten() for p in params.values()])
+
+    stats = trainer.repair(lost, kept, 0.5, 2.0)
+    moved = torch.cat([p.detach().flatten() for p in params.values()]) - before
+    assert float(expected.abs().sum()) > 0
+    torch.testing.assert_close(moved, -lr * expected, rtol=1e-3, atol=1e-8)
+    assert stats["repair_loss"] == pytest.approx(float(-torch.cat(each).detach().mean()), rel=1e-5)
+    assert "rehearsal_loss" in stats and not trainer.model.training
+
+
+@pytest.mark.parametrize("passes,counts,repaired", [(0, [], []), (1, [2, 1], [2]), (3, [2, 1, 0], [2, 1])])
+def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_with_a_call(tiny_model, tmp_path, passes, counts,
+                                                                             repaired):  # fmt: skip
+    """``learner.rehearsal.repair_passes``: the rehearsal set's small talk is answered greedily, as far as the
+    gate reads a pinned chat; each chat that opens with a tool call is repaired, up to that many passes,
+    until none does. Calls in the set are not checked."""
+    from whet.learner.gate import ANSWER_OPENING
+
+    config = learner_config(rehearsal={"repair_passes": passes})
+    learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
+    trainer = learner._trainer_now()
+    tok = trainer.tokenizer
+    call = tok.encode('<tool_call>\n{"name": "add_note", "arguments": {"text": "x"}}\n</tool_call>',
+                      add_special_tokens=False)  # fmt: skip
+    chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."), ("Ok.", "Ok!"))]
+    learner._rehearsal = [*chats, (chats[0][0], call)]
+    learner._rehearsal_tools = [set(), set(), set(), {"add_note"}]
+    calling = {0, 1}  # the chats the candidate opens with a call; each repair pass mends the first of them
+    asked, mended = [], []
+
+    def greedy(prompts, limits, guesses):
+        asked.append((list(prompts), list(limits), list(guesses)))
+        return [call if i in calling else r for i, (_, r) in enumerate(chats)]
+
+    def repair(lost, rehearsal, weight, first):
+        mended.append(len(lost))
+        assert lost == [chats[i] for i in sorted(calling)] and rehearsal == ["step's"]
+        calling.remove(min(calling))
+        return {}
+
+    trainer.greedy_actions, trainer.repair = greedy, repair
+    assert learner._repair(trainer, ["step's"]) == counts  # type: ignore[list-item]
+    assert mended == repaired
+    for prompts, limits, guesses in asked:
+        assert prompts == [p for p, _ in chats] and guesses == [r for _, r in chats]
+        assert limits == [ANSWER_OPENING] * 3
+
+
 def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
     from whet.config.settings import ConfigError, WhetConfig
     from whet.learner.learner import check_config
