@@ -575,7 +575,7 @@ class Learner:
         """Register a saved version with its batch, then gate it: promote or reject."""
         adapter = Adapter(id=version, scope=scope, user_id=user_id if scope == "user" else None, path=str(path),
                           parent=state["parent"], metrics={"train": state["train"], "batch_size": len(state["batch"]),
-                                   "seconds": state.get("seconds")})  # fmt: skip
+                                   "seconds": state.get("seconds"), "repairs": state.get("repairs")})  # fmt: skip
         await self.store.register_candidate(adapter, state["batch"])
         row = await self.store.get_adapter(version)
         if row is None or row.status != "candidate":

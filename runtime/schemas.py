@@ -451,7 +451,9 @@ class AdapterView(BaseModel):
     promoted_at: datetime | None
     gate: dict[str, Any] | None  # accepted, reason and the gate's numbers
     train: dict[str, Any] | None
-    seconds: dict[str, float] | None = None  # where the step's time went: start, replay_before, train, replay_after, pinned_after
+    seconds: dict[str, float] | None = None  # where the step's time went: start, replay_before, train, repair, replay_after, pinned_after
+    # learner.rehearsal.repair_passes: the rehearsal small talk opening with a tool call before each repair pass
+    repairs: list[int] | None = None
     rolled_back: str | None  # why, when it was
 
 

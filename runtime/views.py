@@ -114,7 +114,8 @@ def _adapter_view(adapter: Adapter) -> AdapterView:
     return AdapterView(
         id=adapter.id, scope=adapter.scope, user_id=adapter.user_id, status=status, parent=adapter.parent,
         created_at=adapter.created_at, promoted_at=adapter.promoted_at, gate=metrics.get("gate"),
-        train=metrics.get("train"), seconds=metrics.get("seconds"), rolled_back=rolled_back,
+        train=metrics.get("train"), seconds=metrics.get("seconds"), repairs=metrics.get("repairs") or None,
+        rolled_back=rolled_back,
     )
 
 

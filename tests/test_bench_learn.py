@@ -333,6 +333,10 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
         assert build_report(plan, "default", results, wall_s=1.0, precision=precision)["machine"]["cpu_trains_bfloat16"] is bf16
     assert report["machine"]["cpu"]  # the CPU's model name where the OS gives one, else its architecture
     assert report["command"].startswith("whet bench learn ") and "--arms static,memory_lora" in report["command"]
+    assert report["config_file"] is None
+    overrides = {"learner": {"rehearsal": {"repair_passes": 2}}}
+    with_file = make_plan(tmp_path, config_path=tmp_path / "f.yaml", config_file=overrides)
+    assert build_report(with_file, "default", results, wall_s=1.0)["config_file"] == overrides
     headline = report["arms"]["memory_lora"]
     assert headline["interactions_to_0_9"] == 6 and headline["final_success"] == 1.0
     assert report["arms"]["static"]["interactions_to_0_9"] is None
@@ -513,7 +517,7 @@ def test_bench_learn_quick_runs_end_to_end(tmp_path):
         assert arm["final_success"] == arm["curve"][-1]["success"]
     assert report["arms"]["static"]["lessons"] == 0 and report["arms"]["static"]["adapters_promoted"] == 0
     # the weights arms' steps, read back from each server's /v1/learning with their time by phase
-    phases = {"start", "replay_before", "train", "replay_after", "pinned_after"}
+    phases = {"start", "replay_before", "train", "repair", "replay_after", "pinned_after"}
     for name in ("lora", "memory_lora"):
         arm = report["arms"][name]
         assert arm["steps"] >= arm["adapters_promoted"]
@@ -523,5 +527,6 @@ def test_bench_learn_quick_runs_end_to_end(tmp_path):
     # an untrained model serves the user badly: its corrections became lessons where lessons are kept
     assert report["arms"]["memory"]["lessons"] > 0 and report["arms"]["memory_lora"]["lessons"] > 0
     assert "--interactions 4 --every 2" in report["command"]
+    assert report["config_file"] == yaml.safe_load(config.read_text())  # what the command's --config set
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "memory_lora" in done.stdout and str(out_json) in done.stdout.replace("\n", "")

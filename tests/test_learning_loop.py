@@ -84,8 +84,9 @@ def test_feedback_bearing_turns_put_a_new_adapter_live_without_a_restart(tmp_pat
     assert adapter.status == "live" and adapter.metrics["gate"]["accepted"]
     # where the step's time went, phase by phase (the first step's start loads the model)
     seconds = adapter.metrics["seconds"]
-    assert set(seconds) == {"start", "replay_before", "train", "replay_after", "pinned_after"}
+    assert set(seconds) == {"start", "replay_before", "train", "repair", "replay_after", "pinned_after"}
     assert all(s >= 0 for s in seconds.values()) and seconds["train"] > 0
+    assert adapter.metrics["repairs"] == []  # learner.rehearsal.repair_passes is off by default
     assert len(judged) == BATCH and {j.score for j in judged} == {1, -1}
     assert Path(adapter.path, "adapter_model.safetensors").is_file()
     latency = serving_at - max(j.created_at.timestamp() for j in judged)

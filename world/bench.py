@@ -140,6 +140,7 @@ class Plan:
     json_path: Path
     plot_path: Path
     config_path: Path | None = None
+    config_file: dict[str, Any] | None = None  # what --config set, as read when the run began
     lora_lr: float = LORA_OVERRIDES["learning_rate"]
     keep: bool = False  # keep each arm's data directory
     idle_timeout_s: float = IDLE_TIMEOUT_S  # the longest wait for the learner at a checkpoint
@@ -153,6 +154,7 @@ class Plan:
         return cls(
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
+            config_file=yaml.safe_load(args.config.read_text(encoding="utf-8")) or {} if args.config else None,
             lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
             keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S,
             jobs=min(getattr(args, "jobs", None) or len(usable_cores()), len(args.arms), len(usable_cores())),
@@ -764,6 +766,7 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "chat_before": headline.chat_before if headline else None,
         "chat_after": headline.chat_after if headline else None,
         "command": plan.command(),
+        "config_file": plan.config_file,  # the settings --config overrode (the command names only the file)
         "machine": _machine(precision),
         "wall_s": round(wall_s, 1),
         "learner": {**LEARNER_OVERRIDES, "lora": {**LORA_OVERRIDES, "learning_rate": plan.lora_lr}},
