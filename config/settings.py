@@ -349,9 +349,11 @@ class RehearsalConfig(Section):
     # and their first tokens' mean log-likelihood loss, times this: a reply's first token decides between a
     # tool call and an answer, and is one token of some forty in a chat reply's share of the token mean
     first_token_weight: float = Field(0.0, ge=0.0)
-    # after a step's passes, up to this many more optimizer passes while any of the set's small talk opens with a
-    # tool call (greedy): each learns those chats' replies (first token and token mean) beside the step's items
+    # after a step's passes, up to this many more optimizer passes while any of the set's small talk opens within
+    # repair_margin nats of a tool call: each learns those chats' replies (first token and token mean) beside the
+    # step's items
     repair_passes: int = Field(0, ge=0)
+    repair_margin: float = Field(1.0, ge=0.0)
 
 
 class LearnerConfig(Section):

@@ -249,6 +249,22 @@ class LoraTrainer:
                 actions.append(out)
         return actions
 
+    def opening_odds(self, prompts: Sequence[Sequence[int]], token: int) -> list[float]:
+        """For each prompt, how much likelier ``token`` is than any other as the reply's first token, in
+        nats (log-probability of ``token`` minus the best other's): above 0, greedy decoding opens with it.
+        One forward pass a prompt, the shared prefix read once, as in :meth:`greedy_actions`."""
+        odds = []
+        with torch.no_grad(), self._autocast():
+            start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
+            for prompt in prompts:
+                cache = copy.deepcopy(shared) if shared is not None else None
+                step = self.model(torch.tensor([list(prompt[start:])], device=self.device), **with_cache(cache),
+                                  use_cache=cache is not None, **self._keep(1))  # fmt: skip
+                logp = torch.log_softmax(step.logits[0, -1].float(), -1)
+                best_other = torch.cat([logp[:token], logp[token + 1:]]).max()
+                odds.append(float(logp[token] - best_other))
+        return odds
+
     def mean_logprob(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The average per-token log-prob of a response: the promotion gate's replay measure."""
         return self.mean_logprobs([(prompt_ids, response_ids)])[0]

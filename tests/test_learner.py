@@ -275,41 +275,50 @@ def test_a_repair_pass_learns_the_lost_chats_whole_and_their_first_tokens_beside
 
 
 @pytest.mark.parametrize("passes,counts,repaired", [(0, [], []), (1, [2, 1], [2]), (3, [2, 1, 0], [2, 1])])
-def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_with_a_call(tiny_model, tmp_path, passes, counts,
+def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(tiny_model, tmp_path, passes, counts,
                                                                              repaired):  # fmt: skip
-    """``learner.rehearsal.repair_passes``: the rehearsal set's small talk is answered greedily, as far as the
-    gate reads a pinned chat; each chat that opens with a tool call is repaired, up to that many passes,
-    until none does. Calls in the set are not checked."""
-    from whet.learner.gate import ANSWER_OPENING
-
-    config = learner_config(rehearsal={"repair_passes": passes})
+    """``learner.rehearsal.repair_passes``: each of the rehearsal set's small talk whose first token is within
+    ``repair_margin`` nats of a tool call's is repaired, up to that many passes, until none is.
+    Calls in the set are not checked."""
+    config = learner_config(rehearsal={"repair_passes": passes, "repair_margin": 1.5})
     learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
     trainer = learner._trainer_now()
-    tok = trainer.tokenizer
-    call = tok.encode('<tool_call>\n{"name": "add_note", "arguments": {"text": "x"}}\n</tool_call>',
-                      add_special_tokens=False)  # fmt: skip
+    call = trainer.tokenizer.encode('<tool_call>\n{"name": "add_note", "arguments": {"text": "x"}}\n</tool_call>',
+                                    add_special_tokens=False)  # fmt: skip
     chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."), ("Ok.", "Ok!"))]
     learner._rehearsal = [*chats, (chats[0][0], call)]
     learner._rehearsal_tools = [set(), set(), set(), {"add_note"}]
-    calling = {0, 1}  # the chats the candidate opens with a call; each repair pass mends the first of them
+    odds = [0.3, -1.2, -1.6]  # the first two within 1.5 nats of a call; each repair pass mends the nearest
     asked, mended = [], []
 
-    def greedy(prompts, limits, guesses):
-        asked.append((list(prompts), list(limits), list(guesses)))
-        return [call if i in calling else r for i, (_, r) in enumerate(chats)]
+    def opening_odds(prompts, token):
+        asked.append((list(prompts), token))
+        return list(odds)
 
-    def repair(lost, rehearsal, weight, first):
-        mended.append(len(lost))
-        assert lost == [chats[i] for i in sorted(calling)] and rehearsal == ["step's"]
-        calling.remove(min(calling))
+    def repair(near, rehearsal, weight, first):
+        mended.append(len(near))
+        assert near == [c for c, o in zip(chats, odds, strict=True) if o > -1.5] and rehearsal == ["step's"]
+        odds[odds.index(max(odds))] = -3.0
         return {}
 
-    trainer.greedy_actions, trainer.repair = greedy, repair
+    trainer.opening_odds, trainer.repair = opening_odds, repair
     assert learner._repair(trainer, ["step's"]) == counts  # type: ignore[list-item]
     assert mended == repaired
-    for prompts, limits, guesses in asked:
-        assert prompts == [p for p, _ in chats] and guesses == [r for _, r in chats]
-        assert limits == [ANSWER_OPENING] * 3
+    for prompts, token in asked:
+        assert prompts == [p for p, _ in chats] and token == call[0]
+
+
+def test_opening_odds_say_how_much_likelier_a_first_token_is_than_any_other(tiny_model):
+    trainer = new_trainer(tiny_model)
+    prompts = [encode_turn(trainer, q, "")[1] for q in ("Hi!", "What time is it in Oslo?")]
+    for prompt, got in zip(prompts, trainer.opening_odds(prompts, 5), strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(trainer.model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        greedy = int(logp.argmax())
+        other = logp.clone()
+        other[5] = -float("inf")
+        assert got == pytest.approx(float(logp[5] - other.max()), abs=1e-4)
+        assert (got > 0) == (greedy == 5)
 
 
 def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
