@@ -195,18 +195,13 @@ class PinnedAction:
 
     def kept(self, reply: str) -> bool:
         content, calls, errors = split_tool_calls(reply)
+        if errors or len(calls) != len(self.calls):
+            return False
         if self.calls:
-            return not errors and len(calls) == len(self.calls) and all(
-                _canonical(self.defaults, *call) == want for call, want in zip(calls, self.calls, strict=True))
-        return answers(reply) and self.numbers <= set(_NUMBER.findall(content))
-
-
-def answers(reply: str) -> bool:
-    """Whether a greedy reply, perhaps cut off after its opening (:meth:`PinnedAction.tokens`), is an
-    answer: some text, no tool call, and none opened where it was cut off."""
-    content, calls, errors = split_tool_calls(reply)
-    cut = any(content.endswith(TOOL_CALL_OPEN[:n]) for n in range(2, len(TOOL_CALL_OPEN)))
-    return bool(content) and not calls and not errors and not cut
+            return all(_canonical(self.defaults, *call) == want for call, want in zip(calls, self.calls, strict=True))
+        if any(content.endswith(TOOL_CALL_OPEN[:n]) for n in range(2, len(TOOL_CALL_OPEN))):
+            return False  # a reply cut off (:meth:`tokens`) as it opened a tool call
+        return bool(content) and self.numbers <= set(_NUMBER.findall(content))
 
 
 def _canonical(defaults: dict[str, dict[str, Any]], tool: str, arguments: dict[str, Any]) -> tuple[str, str]:

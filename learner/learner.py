@@ -469,7 +469,7 @@ class Learner:
             "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, batch, strict=True)),
             "baseline": baseline.to_dict(),
             "train": stats,
-            "repairs": repairs,  # the rehearsal set's small talk opening with a call, before each repair pass
+            "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
             "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
@@ -541,7 +541,9 @@ class Learner:
             return [], []
         limits = [pinned.tokens(len(r)) for pinned, (_, r) in zip(self._pinned, regression, strict=True)]
         replies = trainer.greedy_actions([p for p, _ in regression], limits, guesses)
-        return [pinned.kept(text) for pinned, text in zip(self._pinned, _texts(trainer, replies), strict=True)], replies
+        stops = stop_token_ids(trainer.tokenizer, trainer.model)
+        texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
+        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None) -> Sample:
         """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
@@ -694,12 +696,6 @@ def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]
         if response:
             out.append((prompt, response))
     return out
-
-
-def _texts(trainer: LoraTrainer, replies: list[list[int]]) -> list[str]:
-    """Greedy replies as text, without the end-of-turn token they stopped on."""
-    stops = stop_token_ids(trainer.tokenizer, trainer.model)
-    return [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
 
 
 def _parent_state(live: Adapter | None) -> dict[str, Any]:

@@ -379,37 +379,35 @@ class LoraTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # as far as the leaves
             self._carry(samples, actions, student, learnt)
-            if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
-                stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
-            stats["grad_norm"] = self._apply()
+            return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
-        return stats
 
     def repair(self, chats: Sequence[tuple[Sequence[int], Sequence[int]]],
                rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0,
                rehearsal_first: float = 0.0) -> dict[str, float]:  # fmt: skip
         """One more optimizer pass after :meth:`step`, on rehearsal alone: ``chats`` (small talk the step
-        turned into a tool call, each with the reply the model gave it before) on their token mean and
+        brought near a tool call, each with the reply the model gave it before) on their token mean and
         their first tokens at full weight, beside the step's ``rehearsal`` weighed as :meth:`step` weighs
         it. The samples are not in it: what the step taught moves only as far as these chats pull it."""
         self.model.train()
         try:
             self.optimizer.zero_grad(set_to_none=True)
             stats = {"repair_loss": self._rehearse(chats, 1.0, 1.0)}
-            if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
-                stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
-            stats["grad_norm"] = self._apply()
+            return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
-        return stats
 
-    def _apply(self) -> float:
-        """The optimizer step on the gradients gathered, clipped to ``lora.max_grad_norm``; their norm before."""
+    def _apply(self, stats: dict[str, float], rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]],
+               rehearsal_weight: float, rehearsal_first: float) -> dict[str, float]:  # fmt: skip
+        """A pass's end: ``rehearsal``'s gradient added (:meth:`_rehearse`), then the optimizer step on the
+        gradients gathered, clipped to ``lora.max_grad_norm``; ``stats`` with the rehearsal loss and the norm."""
+        if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
+            stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
         self.optimizer.step()
-        return norm
+        return stats
 
     def _token_batch(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
                      actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,

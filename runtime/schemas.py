@@ -452,7 +452,7 @@ class AdapterView(BaseModel):
     gate: dict[str, Any] | None  # accepted, reason and the gate's numbers
     train: dict[str, Any] | None
     seconds: dict[str, float] | None = None  # where the step's time went: start, replay_before, train, repair, replay_after, pinned_after
-    # learner.rehearsal.repair_passes: the rehearsal small talk opening with a tool call before each repair pass
+    # learner.rehearsal.repair_passes: the rehearsal small talk within repair_margin of a tool call, before each pass
     repairs: list[int] | None = None
     rolled_back: str | None  # why, when it was
 
