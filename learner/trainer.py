@@ -182,17 +182,21 @@ class LoraTrainer:
         keys = list(dict.fromkeys(tuple(p[:-1]) for p in prompts if len(p) > 1))
         if not keys:
             return {}
-        caches: dict[tuple[int, ...], Any] = {}
         with torch.no_grad(), self._autocast():
-            start, shared = self._shared_prefix(keys)
-            for key in keys:
-                cache = copy.deepcopy(shared) if shared is not None else None
-                rest = key[start:]
-                if rest:
-                    cache = cache_of(self.model(torch.tensor([rest], device=self.device), **with_cache(cache),
-                                                use_cache=True, **self._keep(1)))  # fmt: skip
-                caches[key] = cache
-        return caches
+            return dict(zip(keys, self._each_cache(keys), strict=True))
+
+    def _each_cache(self, keys: Sequence[tuple[int, ...]]) -> Iterator[Any]:
+        """The keys and values of each token sequence in ``keys`` in turn (None for an empty one): the prefix
+        they all share runs once, then each one's own rest. One at a time, so a caller that needs only one
+        alive holds only one. Call it without gradients."""
+        start, shared = self._shared_prefix(keys)
+        for key in keys:
+            cache = copy.deepcopy(shared) if shared is not None else None
+            rest = key[start:]
+            if rest:
+                cache = cache_of(self.model(torch.tensor([rest], device=self.device), **with_cache(cache),
+                                            use_cache=True, **self._keep(1)))  # fmt: skip
+            yield cache
 
     @contextmanager
     def _reusing_prompts(self, prompts: Sequence[Sequence[int]]) -> Iterator[None]:
@@ -252,13 +256,12 @@ class LoraTrainer:
     def opening_odds(self, prompts: Sequence[Sequence[int]], token: int) -> list[float]:
         """For each prompt, how much likelier ``token`` is than any other as the reply's first token, in
         nats (log-probability of ``token`` minus the best other's): above 0, greedy decoding opens with it.
-        One forward pass a prompt, the shared prefix read once, as in :meth:`greedy_actions`."""
+        The prompts' shared prefix is read once (:meth:`_each_cache`), each prompt's keys and values
+        dropped before the next's."""
         odds = []
         with torch.no_grad(), self._autocast():
-            start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
-            for prompt in prompts:
-                cache = copy.deepcopy(shared) if shared is not None else None
-                step = self.model(torch.tensor([list(prompt[start:])], device=self.device), **with_cache(cache),
+            for prompt, cache in zip(prompts, self._each_cache([tuple(p[:-1]) for p in prompts]), strict=True):
+                step = self.model(torch.tensor([list(prompt[-1:])], device=self.device), **with_cache(cache),
                                   use_cache=cache is not None, **self._keep(1))  # fmt: skip
                 logp = torch.log_softmax(step.logits[0, -1].float(), -1)
                 best_other = torch.cat([logp[:token], logp[token + 1:]]).max()
