@@ -475,7 +475,8 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings a YAML config file holds, as written (a :class:`ConfigError` saying what to fix otherwise)."""
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except UnicodeError:
@@ -509,9 +510,9 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     Raises :class:`ConfigError` naming the first bad key and how to fix it.
     """
     _check_env_sections(os.environ)
-    data = _read_yaml(shipped_path("whet.yaml"))
+    data = read_config_file(shipped_path("whet.yaml"))
     if path is not None:
-        data = _merge(data, _read_yaml(Path(path)))
+        data = _merge(data, read_config_file(Path(path)))
     if overrides:
         _check_section_names(overrides, "the overrides")
     try:

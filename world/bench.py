@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from whet.config.settings import ConfigError, WhetConfig
+from whet.config.settings import ConfigError, WhetConfig, read_config_file
 from whet.learner.prompt import parse_arguments
 
 # what each arm lets the learner change: (learner runs, weights train, lessons kept)
@@ -154,7 +154,7 @@ class Plan:
         return cls(
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
-            config_file=yaml.safe_load(args.config.read_text(encoding="utf-8")) or {} if args.config else None,
+            config_file=read_config_file(args.config) if args.config else None,
             lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
             keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S,
             jobs=min(getattr(args, "jobs", None) or len(usable_cores()), len(args.arms), len(usable_cores())),
