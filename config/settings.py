@@ -377,6 +377,10 @@ class LearnerConfig(Section):
     # its own prompt, where a short complaint answered with a tool call teaches small talk to call tools;
     # what it corrects is taught by the hint on the corrected request. true: it trains like any turn
     train_corrections: bool = False
+    # each step also trains on up to this many of its lineage's earlier hinted samples whose step the gate
+    # rejected or a rollback retired (newest first): a hint that came with a step turned away is taught again
+    # beside the new batch, not lost; 0 = none
+    replay_hints: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)

@@ -394,14 +394,31 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
+        replayed = await self._unkept_hints(user_id, live, {t.id for _, t in batch})
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
-                   for _, t in batch]
+                   for _, t in batch + replayed]
         state = await anyio.to_thread.run_sync(
-            self._step_limited, version, folder, live, batch, held, lessons, limiter=self._limiter
+            self._step_limited, version, folder, live, batch, held, lessons, replayed, limiter=self._limiter
         )
         await self._finish(version, scope, user_id, folder / version, state)
         return version
+
+    async def _unkept_hints(self, user_id: str | None, live: Adapter | None,
+                            batch: set[str]) -> list[tuple[Judgment, Turn]]:  # fmt: skip
+        """``learner.replay_hints``: the lineage's earlier hinted samples that the live weights were not
+        trained on (their step rejected, or retired by a rollback), newest first; none in ``batch``, none
+        whose hint a sample drops (:meth:`_sample`: an answer written from tool results)."""
+        if self.config.replay_hints <= 0:
+            return []
+        kept: set[str] = set()
+        adapter = live
+        while adapter is not None and adapter.id not in kept:
+            kept.add(adapter.id)
+            adapter = await self.store.get_adapter(adapter.parent) if adapter.parent else None
+        owner = user_id if self.config.scope == "user" else None
+        found = await self.store.unkept_hints(user_id=owner, kept=kept, limit=self.config.replay_hints + len(batch))
+        return [(j, t) for j, t in found if t.id not in batch and not _reads_tool_results(t)][: self.config.replay_hints]
 
     def _trainer_now(self) -> LoraTrainer:
         if self._trainer is None:
@@ -425,10 +442,11 @@ class Learner:
             release_memory()
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
-                   held: list[tuple[int, list[int], list[int]]],
-                   lessons: list[list[str] | None]) -> dict[str, Any]:  # fmt: skip
+                   held: list[tuple[int, list[int], list[int]]], lessons: list[list[str] | None],
+                   replayed: Sequence[tuple[Judgment, Turn]] = ()) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
-        batch turn, :meth:`_sample`'s."""
+        turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_unkept_hints`),
+        :meth:`_sample`'s."""
         clock = _Clock()
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
             trainer = self._trainer_now()
@@ -439,13 +457,14 @@ class Learner:
             if "baseline" in parent
             else RunningBaseline(momentum=self.config.objective.baseline_momentum)
         )
-        samples = [self._sample(trainer, j, t, shown) for (j, t), shown in zip(batch, lessons, strict=True)]
+        turns = [*batch, *replayed]
+        samples = [self._sample(trainer, j, t, shown) for (j, t), shown in zip(turns, lessons, strict=True)]
         regression = self._regression or []
         with clock("replay_before"):
             before = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
-        called = {c["function"]["name"] for _, t in batch for c in t.tool_calls if c.get("function", {}).get("name")}
+        called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
         rehearsal = self._rehearsal_for(version, called)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
@@ -464,9 +483,10 @@ class Learner:
             "scope": self.config.scope,
             "user_id": self._owner(batch[0][0]),
             "parent": live.id if live else None,
-            "batch": [s.turn_id for s in samples],
+            "batch": [t.id for _, t in batch],
+            "replayed": [t.id for _, t in replayed],  # earlier hints taught again, consumed by their own steps
             # samples trained on a prompt with other lessons than they were served with
-            "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, batch, strict=True)),
+            "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, turns, strict=True)),
             "baseline": baseline.to_dict(),
             "train": stats,
             "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
@@ -578,6 +598,7 @@ class Learner:
         """Register a saved version with its batch, then gate it: promote or reject."""
         adapter = Adapter(id=version, scope=scope, user_id=user_id if scope == "user" else None, path=str(path),
                           parent=state["parent"], metrics={"train": state["train"], "batch_size": len(state["batch"]),
+                                   "replayed": len(state.get("replayed", [])),
                                    "seconds": state.get("seconds"), "repairs": state.get("repairs")})  # fmt: skip
         await self.store.register_candidate(adapter, state["batch"])
         row = await self.store.get_adapter(version)

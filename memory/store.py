@@ -18,7 +18,7 @@ import errno
 import functools
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -587,6 +587,22 @@ class Store:
             .limit(limit)
         )
         return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def unkept_hints(self, *, user_id: str | None, kept: Collection[str], limit: int) -> list[tuple[Judgment, Turn]]:
+        """Hinted training verdicts whose step was rejected or retired and is not one of ``kept`` (the
+        live adapter's lineage), newest first, with their turns: what the served weights were never
+        taught. One user's only when ``user_id`` is given."""
+        query = (
+            select(Judgment, Turn)
+            .join(Turn, Turn.id == Judgment.turn_id)
+            .join(Adapter, Adapter.id == Judgment.trained_in)
+            .where(Judgment.trainable, Judgment.split == "train", Judgment.hint.is_not(None), Judgment.hint != "",
+                   Adapter.status.in_(("rejected", "retired")), Judgment.trained_in.not_in(list(kept)))  # fmt: skip
+        )
+        if user_id is not None:
+            query = query.where(Judgment.user_id == user_id)
+        query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).limit(limit)
+        return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
 
     async def register_candidate(self, adapter: Adapter, turn_ids: list[str]) -> int:
         """Register a trained adapter version and mark its batch consumed, in one transaction.

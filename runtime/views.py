@@ -115,7 +115,7 @@ def _adapter_view(adapter: Adapter) -> AdapterView:
         id=adapter.id, scope=adapter.scope, user_id=adapter.user_id, status=status, parent=adapter.parent,
         created_at=adapter.created_at, promoted_at=adapter.promoted_at, gate=metrics.get("gate"),
         train=metrics.get("train"), seconds=metrics.get("seconds"), repairs=metrics.get("repairs") or None,
-        rolled_back=rolled_back,
+        replayed=metrics.get("replayed") or None, rolled_back=rolled_back,
     )
 
 

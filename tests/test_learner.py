@@ -499,7 +499,7 @@ def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Pat
 
 
 async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer: str, score: int, split: str,
-                      user: str = "alice", sampled_at: float | None = None) -> str:  # fmt: skip
+                      user: str = "alice", sampled_at: float | None = None, hint: str | None = None) -> str:  # fmt: skip
     """A recorded, closed turn with a verdict written directly (the split chosen by the test).
     ``sampled_at``: the log-prob the engine recorded for every response token (default: the
     encoder's own, i.e. an on-policy turn)."""
@@ -516,7 +516,7 @@ async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer:
     ))  # fmt: skip
     await store.close_turn(turn.id, "feedback", {"score": score, "text": None})
     await store.save_judgment(Judgment(turn_id=turn.id, user_id=user, request_id=turn.request_id, score=score,
-                                       reason="test", judge="test", split=split, trainable=True))  # fmt: skip
+                                       hint=hint, reason="test", judge="test", split=split, trainable=True))  # fmt: skip
     return turn.id
 
 
@@ -604,6 +604,41 @@ async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now
             [SYSTEM, {"role": "user", "content": q}], [f"The user meant Seoul time ({q})"], ""), None) for q in QUESTIONS)
     else:
         assert asked == [] and not any("Seoul" in p for p in prompts)
+
+
+@pytest.mark.anyio
+async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_batches_newest_first(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    steps: list[list] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
+    learner = make_learner(learner_config(batch_size=2, replay_hints=2), store, MemoryBus(), tiny_model, tmp_path)
+    encoder = new_trainer(tiny_model)
+
+    async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
+        wrong = await judged_turn(store, encoder, hinted, BAD, -1, "train", hint="The user meant Lisbon time")
+        await judged_turn(store, encoder, plain, GOOD, +1, "train")
+        [version] = await learner.train_ready()
+        return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+
+    first, v1, state = await step(QUESTIONS[0], QUESTIONS[1])
+    assert state["replayed"] == [] and len(steps[-1]) == 2  # nothing turned away yet
+    await store.update_adapter(v1, status="rejected")
+    second, v2, state = await step(QUESTIONS[2], QUESTIONS[3])
+    taught = steps[-1]
+    assert state["batch"] == [t.turn_id for t in taught[:2]] and second in state["batch"]
+    assert state["replayed"] == [first] and taught[2].turn_id == first and taught[2].teacher_prompt_ids
+    assert (await store.get_judgment(first)).trained_in == v1  # still consumed by its own step
+    await store.update_adapter(v2, status="rejected")
+    third, v3, state = await step("Time in Lisbon?", "Clock?")
+    assert state["replayed"] == [second, first]  # newest first
+    await store.promote_adapter(v3)
+    _, v4, state = await step("Lisbon hour?", "Hour?")
+    assert state["replayed"] == [second, first] and third not in state["replayed"]  # v3's hint is in the live weights
+    assert (await store.get_adapter(v4)).metrics["replayed"] == 2
+    learner.config.replay_hints = 0
+    _, _, state = await step("Hour in Lisbon?", "Now?")
+    assert state["replayed"] == [] and len(steps[-1]) == 2
 
 
 @pytest.fixture(scope="module")
