@@ -9,6 +9,12 @@ general tasks whose first call is right, and of the chat probe answered without 
 before and after (first call only: the answer step is not generated).
 
     python bench/lora_probe.py MODEL_DIR --targets all --lr 2e-3 --epochs 4 --rehearse 8
+
+``--adapter DIR`` (repeatable) scores saved adapters instead, one after another: the learner's
+versions from a kept bench arm (``ARM/data/adapters/global/global-0004``), rejected ones too, on
+the same tasks, to see what a step taught apart from whether the gate let it through.
+
+    python bench/lora_probe.py MODEL_DIR --skip-base --adapter ARM/data/adapters/global/global-0004
 """
 import argparse
 import json
@@ -41,6 +47,7 @@ p.add_argument("--general", type=int, default=8)
 p.add_argument("--chat", type=int, default=6)
 p.add_argument("--skip-base", action="store_true")
 p.add_argument("--rehearse", type=int, default=0)
+p.add_argument("--adapter", action="append", default=[], help="a saved adapter folder to score (repeatable)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -124,7 +131,15 @@ def evaluate(tag):
 if not args.skip_base:
     evaluate("base")
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+if args.adapter:
+    base = model
+    for folder in args.adapter:
+        model = PeftModel.from_pretrained(base, folder)
+        evaluate(f"adapter {folder}")
+        base = model.unload()  # the base weights back, untouched, for the next
+    raise SystemExit(0)
 
 targets = {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
