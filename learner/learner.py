@@ -394,7 +394,7 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
-        replayed = await self._unkept_hints(user_id, live, {t.id for _, t in batch})
+        replayed = await self._unkept_hints(user_id, live)
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
                    for _, t in batch + replayed]
@@ -404,21 +404,25 @@ class Learner:
         await self._finish(version, scope, user_id, folder / version, state)
         return version
 
-    async def _unkept_hints(self, user_id: str | None, live: Adapter | None,
-                            batch: set[str]) -> list[tuple[Judgment, Turn]]:  # fmt: skip
-        """``learner.replay_hints``: the lineage's earlier hinted samples that the live weights were not
-        trained on (their step rejected, or retired by a rollback), newest first; none in ``batch``, none
-        whose hint a sample drops (:meth:`_sample`: an answer written from tool results)."""
-        if self.config.replay_hints <= 0:
-            return []
+    async def _unkept_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
+        """``learner.replay_hints``: ``user_id``'s lineage's earlier hinted samples that the live weights
+        were not trained on (their step rejected, or retired by a rollback), newest first; none whose
+        hint a sample drops (:meth:`_sample`: an answer written from tool results)."""
+        wanted = self.config.replay_hints
         kept: set[str] = set()
         adapter = live
-        while adapter is not None and adapter.id not in kept:
+        while wanted > 0 and adapter is not None and adapter.id not in kept:
             kept.add(adapter.id)
             adapter = await self.store.get_adapter(adapter.parent) if adapter.parent else None
-        owner = user_id if self.config.scope == "user" else None
-        found = await self.store.unkept_hints(user_id=owner, kept=kept, limit=self.config.replay_hints + len(batch))
-        return [(j, t) for j, t in found if t.id not in batch and not _reads_tool_results(t)][: self.config.replay_hints]
+        found: list[tuple[Judgment, Turn]] = []
+        read = 0
+        while len(found) < wanted:
+            page = await self.store.unkept_hints(user_id=user_id, kept=kept, limit=wanted, offset=read)
+            if not page:
+                break
+            read += len(page)
+            found += [(j, t) for j, t in page if not _reads_tool_results(t)]
+        return found[:wanted]
 
     def _trainer_now(self) -> LoraTrainer:
         if self._trainer is None:

@@ -588,10 +588,11 @@ class Store:
         )
         return await self._run(lambda db: list(db.exec(query).all()))
 
-    async def unkept_hints(self, *, user_id: str | None, kept: Collection[str], limit: int) -> list[tuple[Judgment, Turn]]:
+    async def unkept_hints(self, *, user_id: str | None, kept: Collection[str], limit: int,
+                           offset: int = 0) -> list[tuple[Judgment, Turn]]:  # fmt: skip
         """Hinted training verdicts whose step was rejected or retired and is not one of ``kept`` (the
         live adapter's lineage), newest first, with their turns: what the served weights were never
-        taught. One user's only when ``user_id`` is given."""
+        taught. One user's only when ``user_id`` is given; ``limit`` of them from ``offset`` on."""
         query = (
             select(Judgment, Turn)
             .join(Turn, Turn.id == Judgment.turn_id)
@@ -601,7 +602,7 @@ class Store:
         )
         if user_id is not None:
             query = query.where(Judgment.user_id == user_id)
-        query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).limit(limit)
+        query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).offset(offset).limit(limit)
         return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
 
     async def register_candidate(self, adapter: Adapter, turn_ids: list[str]) -> int:

@@ -499,12 +499,16 @@ def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Pat
 
 
 async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer: str, score: int, split: str,
-                      user: str = "alice", sampled_at: float | None = None, hint: str | None = None) -> str:  # fmt: skip
+                      user: str = "alice", sampled_at: float | None = None, hint: str | None = None,
+                      tool_result: str | None = None) -> str:  # fmt: skip
     """A recorded, closed turn with a verdict written directly (the split chosen by the test).
     ``sampled_at``: the log-prob the engine recorded for every response token (default: the
-    encoder's own, i.e. an on-policy turn)."""
+    encoder's own, i.e. an on-policy turn). ``tool_result``: the recorded prompt ends with it, as the
+    step after a tool call's does (its token ids stay the question's)."""
     session = await store.create_session(user)
     messages, prompt, response = encode_turn(encoder, question, answer)
+    if tool_result is not None:
+        messages = [*messages, {"role": "tool", "content": tool_result}]
     with torch.no_grad():
         behaviour = encoder.response_logprobs(prompt, response).tolist()
     if sampled_at is not None:
@@ -621,8 +625,13 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
         [version] = await learner.train_ready()
         return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
 
+    # an answer read off a tool result trains as a success, its hint dropped: nothing of it to teach again
+    read_off = await judged_turn(store, encoder, "Time?", GOOD, -1, "train", hint="The user meant Lisbon time",
+                                 tool_result='{"time": "09:00"}')  # fmt: skip
+    learner.config.batch_size = 3
     first, v1, state = await step(QUESTIONS[0], QUESTIONS[1])
-    assert state["replayed"] == [] and len(steps[-1]) == 2  # nothing turned away yet
+    assert state["replayed"] == [] and len(steps[-1]) == 3 and read_off in state["batch"]  # nothing turned away yet
+    learner.config.batch_size = 2
     await store.update_adapter(v1, status="rejected")
     second, v2, state = await step(QUESTIONS[2], QUESTIONS[3])
     taught = steps[-1]
