@@ -409,11 +409,15 @@ class Learner:
         were not trained on (their step rejected, or retired by a rollback), newest first; none whose
         hint a sample drops (:meth:`_sample`: an answer written from tool results)."""
         wanted = self.config.replay_hints
+        if wanted <= 0:
+            return []
+        # the live version and its ancestors, read in one query (a lineage grows by one a promotion)
+        versions = {a.id: a for a in await self.store.list_adapters(self.config.scope, user_id)}
         kept: set[str] = set()
         adapter = live
-        while wanted > 0 and adapter is not None and adapter.id not in kept:
+        while adapter is not None and adapter.id not in kept:
             kept.add(adapter.id)
-            adapter = await self.store.get_adapter(adapter.parent) if adapter.parent else None
+            adapter = versions.get(adapter.parent) if adapter.parent else None
         found: list[tuple[Judgment, Turn]] = []
         read = 0
         while len(found) < wanted:
@@ -447,7 +451,7 @@ class Learner:
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]], lessons: list[list[str] | None],
-                   replayed: Sequence[tuple[Judgment, Turn]] = ()) -> dict[str, Any]:  # fmt: skip
+                   replayed: list[tuple[Judgment, Turn]]) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_unkept_hints`),
         :meth:`_sample`'s."""
