@@ -306,6 +306,10 @@ class LoraConfig(Section):
     epochs: int = Field(4, ge=1)
     # train only the top N transformer layers (the ones below run without gradients); null = all
     layers: int | None = Field(None, ge=1)
+    # the conversation's own tokens carry gradients too, not only the reply's (the system prompt and tool
+    # list the step's prompts share stay without): a request's words ("back home", a person's name) can then
+    # learn what they mean where they are read; a step's backward pass grows by each prompt's own length
+    train_prompt: bool = False
     # the step's matmuls: auto = bfloat16 (autocast over float32 weights) on CUDA and on CPUs
     # with native bfloat16, where it is about twice as fast; else float32
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -354,6 +358,9 @@ class RehearsalConfig(Section):
     # step's items
     repair_passes: int = Field(0, ge=0)
     repair_margin: float = Field(1.0, ge=0.0)
+    # every pass also holds the first-token distribution of all the set's small talk where the step found it
+    # (the mean KL to it, times this): a step's pull towards calls on every chat, not only the near ones
+    anchor_weight: float = Field(0.0, ge=0.0)
 
 
 class LearnerConfig(Section):

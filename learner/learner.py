@@ -476,7 +476,8 @@ class Learner:
         rehearsal = self._rehearsal_for(version, called)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
-                                 self.config.rehearsal.first_token_weight)  # fmt: skip
+                                 self.config.rehearsal.first_token_weight, [p for p, _ in self._small_talk()],
+                                 self.config.rehearsal.anchor_weight)  # fmt: skip
         with clock("repair"):
             repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])
@@ -521,6 +522,10 @@ class Learner:
         picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version)
         return [self._rehearsal[i] for i in picked]
 
+    def _small_talk(self) -> list[tuple[list[int], list[int]]]:
+        """The rehearsal set's items whose reply calls no tool: chats, and answers read off a tool's result."""
+        return [item for item, called in zip(self._rehearsal, self._rehearsal_tools, strict=True) if not called]
+
     def _repair(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> list[int]:
         """``learner.rehearsal.repair_passes``: while the trained candidate opens any of the rehearsal set's
         small talk within ``repair_margin`` nats of a tool call (the odds of a reply's first token being
@@ -533,7 +538,7 @@ class Learner:
         it when a chat that already sat near the boundary crosses it. A greedy check of the rehearsal
         chats saw nothing (none had crossed), so this reads how near each one came."""
         passes = self.config.rehearsal.repair_passes
-        talk = [item for item, called in zip(self._rehearsal, self._rehearsal_tools, strict=True) if not called]
+        talk = self._small_talk()
         if not passes or not talk:
             return []
         opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]

@@ -308,6 +308,27 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
         assert prompts == [p for p, _ in chats] and token == call[0]
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("weight", [0.0, 3.0])
+async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_its_weight(tiny_model, tmp_path, store,
+                                                                                      monkeypatch, weight):  # fmt: skip
+    """``learner.rehearsal.anchor_weight``: the step is given every item of the rehearsal set whose reply calls no
+    tool (chats, answers read off a tool), not only the ones drawn into it, at the configured weight."""
+    given = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: given.append(a) or {})
+    learner = make_learner(learner_config(rehearsal={"anchor_weight": weight}), store, MemoryBus(), tiny_model, tmp_path)
+    trainer = learner._trainer_now()
+    call = trainer.tokenizer.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', add_special_tokens=False)
+    chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."))]
+    learner._rehearsal = [*chats, (chats[0][0], call)]
+    learner._rehearsal_tools = [set(), set(), {"now"}]
+    for q in QUESTIONS:
+        await judged_turn(store, new_trainer(tiny_model), q, GOOD, +1, "train")
+    await learner.train_ready()
+    [(baseline, rehearsal, rehearsal_weight, first, anchor, anchor_weight)] = given
+    assert anchor == [p for p, _ in chats] and anchor_weight == weight
+
+
 def test_opening_odds_say_how_much_likelier_a_first_token_is_than_any_other(tiny_model):
     trainer = new_trainer(tiny_model)
     prompts = [encode_turn(trainer, q, "")[1] for q in ("Hi!", "What time is it in Oslo?")]
@@ -385,6 +406,65 @@ def test_prompts_read_once_a_step_give_the_same_log_probs_and_the_same_one_pass_
     a, b = reused.lora_state(), fresh.lora_state()
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_train_prompt_reads_the_same_log_probs_and_carries_the_loss_through_the_requests_own_tokens(tiny_model):
+    """``lora.train_prompt``: inside a step, only the prefix the prompts share runs without gradients. A lone
+    prompt (nothing shared) then gets the plain fine-tuning gradient, prompt tokens and all, which the default
+    (the prompt's keys and values without gradients) does not."""
+    through = new_trainer(tiny_model, lora=LORA.model_copy(update={"train_prompt": True}))
+    batch = [sample(through, "a", "What is 2+2?", "4", 1), sample(through, "b", "Hello?", "Hi there.", -1)]
+    through.step(batch, 0.0)  # an adapter that is not the identity, so its effect on the prompt counts
+    items = [(s.prompt_ids, s.response_ids) for s in batch]
+    with torch.no_grad(), through._reusing_prompts([p for p, _ in items]):
+        assert through._step_prefix is not None and len(through._step_prefix[0]) > 5  # the shared prefix
+        inside = [float(through.response_logprobs(p, r).mean()) for p, r in items]
+    assert inside == pytest.approx(through.mean_logprobs(items), abs=1e-5)
+
+    def gradient(trainer: LoraTrainer, step: bool) -> dict[str, torch.Tensor]:
+        prompt, response = items[0]
+        trainer.model.zero_grad(set_to_none=True)
+        if step:
+            with trainer._reusing_prompts([prompt]):
+                (-trainer.response_logprobs(prompt, response).sum()).backward()
+        else:  # plain fine-tuning: the whole sequence in one graph, the loss on the response's tokens
+            logits = trainer.model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            (-torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None]).sum()).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    plain, stepped = gradient(through, False), gradient(through, True)
+    assert all(torch.allclose(plain[n], stepped[n], atol=1e-5) for n in plain)
+    default = new_trainer(tiny_model)
+    default.reset(None)
+    default.model.load_state_dict(through.model.state_dict())  # the same adapter, prompts read without gradients
+    cached = gradient(default, True)
+    assert not all(torch.allclose(plain[n], cached[n], atol=1e-5) for n in plain)
+
+
+@pytest.mark.parametrize("train_prompt", [False, True])
+def test_an_anchor_holds_small_talks_opening_where_the_step_found_it_across_its_passes(tiny_model, train_prompt):
+    """``anchor_weight``: from the second pass on, each pass pulls the anchored chats' first-token distributions
+    back towards the ones the step started from (the first pass starts there: KL 0, no pull)."""
+    lora = LORA.model_copy(update={"epochs": 4, "train_prompt": train_prompt})
+    chats = ["Good evening! Long day?", "Tell me a joke.", "Nice to meet you."]
+
+    def moved(weight: float) -> tuple[float, dict[str, float]]:
+        torch.manual_seed(0)  # the same LoRA initialisation for both
+        trainer = new_trainer(tiny_model, lora=lora)
+        prompts = [encode_turn(trainer, chat, "")[1] for chat in chats]
+        with torch.no_grad():
+            start = [trainer._opening(p) for p in prompts]
+        batch = [sample(trainer, "a", "What time is it at home?", '<tool_call>{"name": "now"}</tool_call>', 1),
+                 sample(trainer, "b", "Hi!", "Hello there, how can I help?", -1)]  # fmt: skip
+        stats = trainer.step(batch, 0.0, anchor=prompts, anchor_weight=weight)
+        with torch.no_grad():
+            kl = [float((s.exp() * (s - trainer._opening(p))).sum()) for s, p in zip(start, prompts, strict=True)]
+        return sum(kl) / len(kl), stats
+
+    free, free_stats = moved(0.0)
+    held, held_stats = moved(200.0)  # near where it started a KL's pull is small: on the tiny model it takes this
+    assert "anchor_kl" not in free_stats and held_stats["anchor_kl"] > 0
+    assert free > 1e-3 and held < free / 2
 
 
 def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_layers_train_alone(tiny_model):
