@@ -358,8 +358,9 @@ class RehearsalConfig(Section):
     # step's items
     repair_passes: int = Field(0, ge=0)
     repair_margin: float = Field(1.0, ge=0.0)
-    # every pass also holds the first-token distribution of all the set's small talk where the step found it
-    # (the mean KL to it, times this): a step's pull towards calls on every chat, not only the near ones
+    # every pass also holds each of the set's small talk's log-probability of opening with a tool call at or
+    # below where the step found it (the mean rise, times this): a step's pull towards calls on every chat,
+    # not only on the ones already near one
     anchor_weight: float = Field(0.0, ge=0.0)
 
 

@@ -75,7 +75,14 @@ from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids, last_user_text, relessoned
 from whet.learner.registry import AdapterRegistry
-from whet.learner.trainer import LoraTrainer, Sample, limited_threads, release_memory, training_threads
+from whet.learner.trainer import (
+    Anchor,
+    LoraTrainer,
+    Sample,
+    limited_threads,
+    release_memory,
+    training_threads,
+)
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
 from whet.memory.index import LessonIndex, recall
 from whet.memory.store import Store
@@ -476,8 +483,7 @@ class Learner:
         rehearsal = self._rehearsal_for(version, called)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
-                                 self.config.rehearsal.first_token_weight, [p for p, _ in self._small_talk()],
-                                 self.config.rehearsal.anchor_weight)  # fmt: skip
+                                 self.config.rehearsal.first_token_weight, self._anchor(trainer))  # fmt: skip
         with clock("repair"):
             repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])
@@ -521,6 +527,15 @@ class Learner:
     def _rehearsal_for(self, version: str, tools: set[str]) -> list[tuple[list[int], list[int]]]:
         picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version)
         return [self._rehearsal[i] for i in picked]
+
+    def _anchor(self, trainer: LoraTrainer) -> Anchor | None:
+        """``learner.rehearsal.anchor_weight``: the rehearsal set's small talk, whose odds of opening with a tool
+        call the step may not raise (:class:`~whet.learner.trainer.Anchor`); None when off."""
+        weight, talk = self.config.rehearsal.anchor_weight, self._small_talk()
+        if not weight or not talk:
+            return None
+        opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+        return Anchor([p for p, _ in talk], opening, weight)
 
     def _small_talk(self) -> list[tuple[list[int], list[int]]]:
         """The rehearsal set's items whose reply calls no tool: chats, and answers read off a tool's result."""

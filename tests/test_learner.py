@@ -19,7 +19,7 @@ from whet.learner.objective import blamed_tokens, build_objective, objective_fro
 from whet.learner.prompt import hinted_prompt_ids, prompt_text, prompt_with_lessons, relessoned
 from whet.learner.registry import AdapterRegistry
 from whet.learner.tiny import build_tiny_model
-from whet.learner.trainer import LoraTrainer, Sample
+from whet.learner.trainer import Anchor, LoraTrainer, Sample
 from whet.memory.bus import LESSON_ADDED, MemoryBus
 from whet.memory.experience import Experience
 from whet.memory.store import Store, open_store
@@ -313,7 +313,8 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
 async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_its_weight(tiny_model, tmp_path, store,
                                                                                       monkeypatch, weight):  # fmt: skip
     """``learner.rehearsal.anchor_weight``: the step is given every item of the rehearsal set whose reply calls no
-    tool (chats, answers read off a tool), not only the ones drawn into it, at the configured weight."""
+    tool (chats, answers read off a tool), not only the ones drawn into it, to hold their odds of opening with a
+    call, at the configured weight; 0: no anchor."""
     given = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: given.append(a) or {})
     learner = make_learner(learner_config(rehearsal={"anchor_weight": weight}), store, MemoryBus(), tiny_model, tmp_path)
@@ -325,8 +326,11 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
     for q in QUESTIONS:
         await judged_turn(store, new_trainer(tiny_model), q, GOOD, +1, "train")
     await learner.train_ready()
-    [(baseline, rehearsal, rehearsal_weight, first, anchor, anchor_weight)] = given
-    assert anchor == [p for p, _ in chats] and anchor_weight == weight
+    [(baseline, rehearsal, rehearsal_weight, first, anchor)] = given
+    if weight:
+        assert anchor == Anchor([p for p, _ in chats], call[0], weight)  # the call's first token
+    else:
+        assert anchor is None
 
 
 def test_opening_odds_say_how_much_likelier_a_first_token_is_than_any_other(tiny_model):
@@ -442,28 +446,30 @@ def test_train_prompt_reads_the_same_log_probs_and_carries_the_loss_through_the_
 
 
 @pytest.mark.parametrize("train_prompt", [False, True])
-def test_an_anchor_holds_small_talks_opening_where_the_step_found_it_across_its_passes(tiny_model, train_prompt):
-    """``anchor_weight``: from the second pass on, each pass pulls the anchored chats' first-token distributions
-    back towards the ones the step started from (the first pass starts there: KL 0, no pull)."""
+def test_an_anchor_holds_small_talks_odds_of_opening_with_a_call_where_the_step_found_them(tiny_model, train_prompt):
+    """``Anchor``: from the second pass on, each pass pulls down every anchored chat's log-probability of opening
+    with the anchor's token where it rose above where the step started (the first pass starts there: no pull)."""
     lora = LORA.model_copy(update={"epochs": 4, "train_prompt": train_prompt})
     chats = ["Good evening! Long day?", "Tell me a joke.", "Nice to meet you."]
+    call = '<tool_call>{"name": "now"}</tool_call>'
 
-    def moved(weight: float) -> tuple[float, dict[str, float]]:
+    def rise(weight: float) -> tuple[float, dict[str, float]]:
         torch.manual_seed(0)  # the same LoRA initialisation for both
         trainer = new_trainer(tiny_model, lora=lora)
+        token = trainer.tokenizer.encode(call, add_special_tokens=False)[0]
         prompts = [encode_turn(trainer, chat, "")[1] for chat in chats]
         with torch.no_grad():
-            start = [trainer._opening(p) for p in prompts]
-        batch = [sample(trainer, "a", "What time is it at home?", '<tool_call>{"name": "now"}</tool_call>', 1),
+            start = [float(trainer._opening(p)[token]) for p in prompts]
+        batch = [sample(trainer, "a", "What time is it at home?", call, 1),
                  sample(trainer, "b", "Hi!", "Hello there, how can I help?", -1)]  # fmt: skip
-        stats = trainer.step(batch, 0.0, anchor=prompts, anchor_weight=weight)
+        stats = trainer.step(batch, 0.0, anchor=Anchor(prompts, token, weight))
         with torch.no_grad():
-            kl = [float((s.exp() * (s - trainer._opening(p))).sum()) for s, p in zip(start, prompts, strict=True)]
-        return sum(kl) / len(kl), stats
+            now = [float(trainer._opening(p)[token]) for p in prompts]
+        return sum(n - s for n, s in zip(now, start, strict=True)) / len(prompts), stats
 
-    free, free_stats = moved(0.0)
-    held, held_stats = moved(200.0)  # near where it started a KL's pull is small: on the tiny model it takes this
-    assert "anchor_kl" not in free_stats and held_stats["anchor_kl"] > 0
+    free, free_stats = rise(0.0)
+    held, held_stats = rise(20.0)
+    assert "anchor_rise" not in free_stats and "anchor_rise" in held_stats
     assert free > 1e-3 and held < free / 2
 
 

@@ -1,0 +1,62 @@
+"""How near does small talk sit to a tool call, under the base model and under saved learner versions?
+
+For every chat of the gate's pinned set (``config/regression.jsonl``) and of the rehearsal set
+(``config/rehearsal.jsonl``) whose reply calls no tool, the log-odds of the reply opening with a
+tool call: log p(first token of ``<tool_call>``) minus the likeliest other first token's, in nats
+(above 0, greedy decoding calls a tool). A step that costs the gate a pinned chat moves these; this
+shows by how much, and whether it moved the chats it was trained to keep (rehearsal, the anchor)
+as far as the ones the gate keeps.
+
+    python bench/opening_odds.py MODEL_DIR --adapter ARM/data/adapters/global/global-0002 [--adapter ...]
+
+Prints each chat's odds under the base and each adapter, nearest first, then per set the mean
+shift from the base and the number of chats above 0. One forward pass a chat and version
+(seconds on one core).
+"""
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from whet.config.settings import LoraConfig
+from whet.learner.gate import encode_records, read_records
+from whet.learner.objective import build_objective
+from whet.learner.prompt import TOOL_CALL_OPEN
+from whet.learner.trainer import LoraTrainer
+
+CONFIG = Path(__file__).resolve().parents[1] / "config"
+
+p = argparse.ArgumentParser()
+p.add_argument("model")
+p.add_argument("--adapter", action="append", default=[], help="a saved adapter folder (repeatable)")
+p.add_argument("--show", type=int, default=8, help="chats listed per set, nearest to a call first")
+args = p.parse_args()
+
+torch.manual_seed(0)
+trainer = LoraTrainer.load(args.model, LoraConfig(precision="float32"), build_objective("combined"), device="cpu")
+opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+sets = {}
+for name in ("regression", "rehearsal"):
+    records = read_records(CONFIG / f"{name}.jsonl")
+    encoded = encode_records(records, trainer.tokenizer)
+    talk = [(r["messages"][-1]["content"][:48].replace("\n", " "), prompt) for r, (prompt, response)
+            in zip(records, encoded, strict=True) if TOOL_CALL_OPEN not in r["response"]]  # fmt: skip
+    sets[name] = talk
+
+versions = [("base", None), *((Path(a).name, Path(a)) for a in args.adapter)]
+odds: dict[str, dict[str, list[float]]] = {}
+for label, folder in versions:
+    trainer.reset(folder)
+    odds[label] = {name: trainer.opening_odds([prompt for _, prompt in talk], opening) for name, talk in sets.items()}
+
+for name, talk in sets.items():
+    print(f"\n{name}: {len(talk)} chats whose reply calls no tool; odds of opening with a call (nats)")
+    print(f"{'chat':50} " + " ".join(f"{label[-11:]:>11}" for label, _ in versions))
+    order = sorted(range(len(talk)), key=lambda i: -max(odds[label][name][i] for label, _ in versions))
+    for i in order[: args.show]:
+        print(f"{talk[i][0]:50} " + " ".join(f"{odds[label][name][i]:>11.2f}" for label, _ in versions))
+    for label, _ in versions[1:]:
+        shift = [a - b for a, b in zip(odds[label][name], odds["base"][name], strict=True)]
+        print(f"  {label}: mean shift {statistics.mean(shift):+.2f} (min {min(shift):+.2f}, max {max(shift):+.2f}), "
+              f"{sum(o > 0 for o in odds[label][name])} above 0 (base {sum(o > 0 for o in odds['base'][name])})")
