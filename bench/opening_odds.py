@@ -1,7 +1,7 @@
 """How near does small talk sit to a tool call, under the base model and under saved learner versions?
 
-For every chat of the gate's pinned set (``config/regression.jsonl``) and of the rehearsal set
-(``config/rehearsal.jsonl``) whose reply calls no tool, the log-odds of the reply opening with a
+For every item of the gate's pinned set (``config/regression.jsonl``) and of the rehearsal set
+(``config/rehearsal.jsonl``) whose reply calls no tool (chats, and answers read off a tool's result), the log-odds of the reply opening with a
 tool call: log p(first token of ``<tool_call>``) minus the likeliest other first token's, in nats
 (above 0, greedy decoding calls a tool). A step that costs the gate a pinned chat moves these; this
 shows by how much, and whether it moved the chats it was trained to keep (rehearsal, the anchor)
@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from rich.progress import Progress, TimeElapsedColumn
 
 from whet.config.settings import LoraConfig
 from whet.learner.gate import encode_records, read_records
@@ -46,9 +47,15 @@ for name in ("regression", "rehearsal"):
 
 versions = [("base", None), *((Path(a).name, Path(a)) for a in args.adapter)]
 odds: dict[str, dict[str, list[float]]] = {}
-for label, folder in versions:
-    trainer.reset(folder)
-    odds[label] = {name: trainer.opening_odds([prompt for _, prompt in talk], opening) for name, talk in sets.items()}
+with Progress(*Progress.get_default_columns(), TimeElapsedColumn()) as bar:
+    task = bar.add_task("opening odds", total=len(versions) * len(sets))
+    for label, folder in versions:
+        trainer.reset(folder)
+        odds[label] = {}
+        for name, talk in sets.items():
+            bar.update(task, description=f"{label}: {name}")
+            odds[label][name] = trainer.opening_odds([prompt for _, prompt in talk], opening)
+            bar.advance(task)
 
 for name, talk in sets.items():
     print(f"\n{name}: {len(talk)} chats whose reply calls no tool; odds of opening with a call (nats)")
