@@ -23,7 +23,7 @@ from rich.progress import Progress, TimeElapsedColumn
 from whet.config.settings import LoraConfig
 from whet.learner.gate import encode_records, read_records
 from whet.learner.objective import build_objective
-from whet.learner.prompt import TOOL_CALL_OPEN
+from whet.learner.prompt import TOOL_CALL_OPEN, call_opening
 from whet.learner.trainer import LoraTrainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
@@ -36,7 +36,7 @@ args = p.parse_args()
 
 torch.manual_seed(0)
 trainer = LoraTrainer.load(args.model, LoraConfig(precision="float32"), build_objective("combined"), device="cpu")
-opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+opening = call_opening(trainer.tokenizer)
 sets = {}
 for name in ("regression", "rehearsal"):
     records = read_records(CONFIG / f"{name}.jsonl")

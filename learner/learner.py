@@ -73,7 +73,7 @@ from whet.learner.lesson_check import Generate, LessonCheck
 from whet.learner.lessons import ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
-from whet.learner.prompt import TOOL_CALL_OPEN, hinted_prompt_ids, last_user_text, relessoned
+from whet.learner.prompt import TOOL_CALL_OPEN, call_opening, hinted_prompt_ids, last_user_text, relessoned
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import (
     Anchor,
@@ -534,7 +534,7 @@ class Learner:
         weight, talk = self.config.rehearsal.anchor_weight, self._small_talk()
         if not weight or not talk:
             return None
-        opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+        opening = call_opening(trainer.tokenizer)
         return Anchor([p for p, _ in talk], opening, weight)
 
     def _small_talk(self) -> list[tuple[list[int], list[int]]]:
@@ -556,7 +556,7 @@ class Learner:
         talk = self._small_talk()
         if not passes or not talk:
             return []
-        opening = trainer.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+        opening = call_opening(trainer.tokenizer)
         counts = []
         for n in range(passes + 1):
             odds = trainer.opening_odds([p for p, _ in talk], opening)

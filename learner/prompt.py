@@ -39,6 +39,11 @@ TOOLS_POSTAMBLE = (
 )
 
 
+def call_opening(tokenizer: Any) -> int:
+    """The token a reply that calls a tool opens with (the first of ``<tool_call>``)."""
+    return tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False)[0]
+
+
 def prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
                 *, add_generation_prompt: bool = True) -> str:
     """The prompt string for ``messages`` and ``tools``: the tokenizer's chat template, or ChatML.
