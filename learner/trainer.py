@@ -261,12 +261,17 @@ class LoraTrainer:
         ``guesses``: a reply each prompt is likely to get (another adapter's greedy reply, the pinned
         one). One forward pass reads a guess whole and keeps the part the model would have decoded
         itself; decoding goes on, one token at a time, only from where the model leaves it. The
-        result is the greedy reply all the same (in float32; under bfloat16 autocast a near tie may
-        round the other way in a pass over many tokens), at the cost of one pass where the guess holds."""
+        result is the greedy reply all the same, at the cost of one pass where the guess holds.
+
+        Decoding runs in the weights' own dtype, the one they serve in, never under ``lora.precision``'s
+        bfloat16 autocast: the gate's pinned check asks what the served model would write, and a pinned
+        turn near a tie goes the other way under autocast. On a CPU with bfloat16 matmuls a warm-started
+        model served in float32 answered "Note that seat 14C on the train." in words, and under autocast
+        called ``add_note``: every candidate of two runs was rejected for "losing" that turn."""
         stops = stop_token_ids(self.tokenizer, self.model)
         guesses = guesses if guesses is not None else [None] * len(prompts)
         actions = []
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad():
             start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
             for prompt, limit, guess in zip(prompts, max_new_tokens, guesses, strict=True):
                 cache = copy.deepcopy(shared) if shared is not None else None  # decoding appends to it

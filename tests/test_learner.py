@@ -486,6 +486,25 @@ def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_
     assert trained == {str(fast.model.config.num_hidden_layers - 1)}  # only the top layer has an adapter
 
 
+def test_greedy_replies_decode_in_the_served_dtype_when_training_computes_in_bfloat16(tiny_model):
+    # the gate's pinned check asks what the served model writes: under bfloat16 autocast a near tie
+    # rounds the other way, and a float32 server answers it as the check did not
+    served = new_trainer(tiny_model)
+    fast = LoraTrainer.load(tiny_model, LORA.model_copy(update={"precision": "bfloat16"}), build_objective("combined"),
+                            device="cpu")  # fmt: skip
+    prompts = [encode_turn(fast, question, "x")[1] for question in ("What time is it?", "Hello!", "Add milk.")]
+    dtypes = []
+    hook = fast.model.get_output_embeddings().register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    try:
+        replies = fast.greedy_actions(prompts, [12] * len(prompts))
+        with torch.no_grad(), fast._autocast():  # the hook sees bfloat16 where autocast is on
+            fast.model(torch.tensor([prompts[0]]))
+    finally:
+        hook.remove()
+    assert dtypes[-1] == torch.bfloat16 and set(dtypes[:-1]) == {torch.float32}
+    assert replies == served.greedy_actions(prompts, [12] * len(prompts))
+
+
 HOME, HOME_HINT = "What time is it at home?", "The user meant Lisbon time"
 
 
