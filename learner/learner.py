@@ -58,6 +58,7 @@ from whet.learner.gate import (
     read_records,
 )
 from whet.learner.judge import (
+    CONTENT_FREE_HINTS,
     TOOL_FAILED,
     ChatModel,
     ComposedJudge,
@@ -606,6 +607,12 @@ class Learner:
             # such an answer learns from success only; taught "not Paris" after a Paris result,
             # or given a hinted teacher that says Lisbon over it, it would learn to misreport.
             score, hint = max(score, 0), None
+        if hint and hint.startswith(CONTENT_FREE_HINTS):
+            # "The user had to ask again: Is it late at home?" says the action was wrong, not what
+            # was right: shown it, the teacher wrote another made-up answer ("It is 12:15 in
+            # Ashton."), and learning that taught answering in words where a tool was wanted (two
+            # pinned calls went to text). Such a sample learns from its score alone, as lessons do.
+            hint = None
         teacher = None
         if hint:
             teacher = hinted_prompt_ids(trainer.tokenizer, messages, prompt_ids, hint)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from whet.config.settings import LearnerConfig, LoraConfig
-from whet.learner.judge import RulesJudge
+from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
 from whet.learner.model import stop_token_ids
 from whet.learner.objective import blamed_tokens, build_objective, objective_from_config
@@ -753,6 +753,26 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
     learner.config.replay_hints = 0
     _, _, state = await step("Hour in Lisbon?", "Now?")
     assert state["replayed"] == [] and len(steps[-1]) == 2
+
+
+@pytest.mark.anyio
+async def test_a_hint_that_names_nothing_trains_its_sample_on_the_score_alone(tiny_model, tmp_path, store, monkeypatch):
+    # "The user had to ask again: ..." and "The user said it was wrong: ..." say only that the action was
+    # wrong: a teacher shown them writes another guess, which the student would learn as the right action
+    steps: list[list] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
+    learner = make_learner(learner_config(batch_size=3), store, MemoryBus(), tiny_model, tmp_path)
+    encoder = new_trainer(tiny_model)
+    asked = await judged_turn(store, encoder, QUESTIONS[0], BAD, -1, "train",
+                              hint=REQUERY_HINT + "Is it late at home? Please answer")  # fmt: skip
+    wrong = await judged_turn(store, encoder, QUESTIONS[1], BAD, -1, "train", hint=WRONG_HINT + "No, that's not right")
+    named = await judged_turn(store, encoder, QUESTIONS[2], BAD, -1, "train", hint="The user meant Lisbon time")
+    await learner.train_ready()
+    taught = {s.turn_id: s for s in steps[-1]}
+    assert set(taught) == {asked, wrong, named}
+    assert taught[asked].teacher_prompt_ids is None and taught[wrong].teacher_prompt_ids is None
+    assert taught[asked].score == taught[wrong].score == -1
+    assert taught[named].teacher_prompt_ids is not None
 
 
 @pytest.fixture(scope="module")
