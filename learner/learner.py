@@ -484,7 +484,7 @@ class Learner:
         rehearsal = self._rehearsal_for(version, called)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
-                                 self.config.rehearsal.first_token_weight, self._anchor(trainer))  # fmt: skip
+                                 self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal))  # fmt: skip
         with clock("repair"):
             repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])
@@ -529,14 +529,16 @@ class Learner:
         picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version)
         return [self._rehearsal[i] for i in picked]
 
-    def _anchor(self, trainer: LoraTrainer) -> Anchor | None:
+    def _anchor(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> Anchor | None:
         """``learner.rehearsal.anchor_weight``: the rehearsal set's small talk, whose odds of opening with a tool
-        call the step may not raise (:class:`~whet.learner.trainer.Anchor`); None when off."""
+        call the step may not raise, and the calls among the step's ``rehearsal`` draw, whose odds of it the
+        step may not lower (:class:`~whet.learner.trainer.Anchor`); None when off."""
         weight, talk = self.config.rehearsal.anchor_weight, self._small_talk()
-        if not weight or not talk:
+        if not weight:
             return None
         opening = call_opening(trainer.tokenizer)
-        return Anchor([p for p, _ in talk], opening, weight)
+        calls = [p for p, r in rehearsal if r and r[0] == opening]
+        return Anchor([p for p, _ in talk], opening, weight, calls) if talk or calls else None
 
     def _small_talk(self) -> list[tuple[list[int], list[int]]]:
         """The rehearsal set's items whose reply calls no tool: chats, and answers read off a tool's result."""

@@ -67,11 +67,14 @@ class Sample:
 @dataclass(frozen=True)
 class Anchor:
     """Small talk (``prompts``) whose log-probability of opening its reply with ``token`` (a tool call's first
-    token) a step may not raise: every pass adds ``weight`` times the mean rise above where the step found it."""
+    token) a step may not raise, and requests answered with a call (``calls``) whose log-probability of it a
+    step may not lower: every pass adds ``weight`` times the mean rise of the one and the mean fall of the
+    other, each from where the step found it."""
 
     prompts: Sequence[Sequence[int]]
     token: int
     weight: float
+    calls: Sequence[Sequence[int]] = ()
 
 
 class LoraTrainer:
@@ -364,13 +367,14 @@ class LoraTrainer:
         that decides between a tool call and an answer, see :meth:`_rehearse`).
 
         ``anchor``: small talk whose log-probability of opening with a tool call every pass holds at or below
-        where the step found it (:class:`Anchor`, :meth:`_anchor`)."""
+        where the step found it, and calls whose log-probability of it every pass holds at or above
+        (:class:`Anchor`, :meth:`_anchor`)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         full = getattr(self.objective, "needs_distributions", False)
         teacher, actions, reference = self._teacher_side(samples)
-        anchor = anchor if anchor is not None and anchor.weight > 0 and anchor.prompts else None
-        held = list(anchor.prompts) if anchor else []
+        anchor = anchor if anchor is not None and anchor.weight > 0 and (anchor.prompts or anchor.calls) else None
+        held = [*anchor.prompts, *anchor.calls] if anchor else []
         first: float | None = None
         with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal] + held):
             with torch.no_grad():  # each chat's log-probability of opening with a call, as the step found it
@@ -434,7 +438,7 @@ class LoraTrainer:
             loss.backward()  # as far as the leaves
             self._carry(samples, actions, student, learnt)
             if anchor is not None:
-                stats["anchor_rise"] = self._anchor(*anchor)
+                stats.update(self._anchor(*anchor))
             return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
@@ -534,23 +538,36 @@ class LoraTrainer:
         """log p(. | prompt): the distribution of the reply's first token, [V]; grad follows torch's mode."""
         return self.response_distributions(prompt, [0])[0]  # [V]: the one response token is not read
 
-    def _anchor(self, anchor: Anchor, start: Sequence[float]) -> float:
+    def _anchor(self, anchor: Anchor, start: Sequence[float]) -> dict[str, float]:
         """Adds to the gradients ``anchor.weight`` times the gradient of the mean over ``anchor.prompts`` of how
-        far each one's log-probability of opening with ``anchor.token`` rose above ``start`` (0 where it did not
-        rise), one prompt's graph at a time; returns the mean change, rises and falls alike.
+        far each one's log-probability of opening with ``anchor.token`` rose above its ``start`` (0 where it did
+        not rise), and of the mean over ``anchor.calls`` of how far it fell below (0 where it did not fall), one
+        prompt's graph at a time. Returns each group's mean change, rises and falls alike: ``anchor_rise`` for
+        the small talk, ``anchor_calls`` for the calls (where there are any).
 
         A step that teaches one user's calls moves every short chat towards opening with a call by about the
         same odds (stop 37 measured +1 to +1.5 nats on most of 216 chats), which the gate sees only when a chat
         near the boundary crosses it. A divergence of the whole opening distribution barely sees that: the call
         token holds a few percent of it (a KL anchor held at 0.0004 nats while the chats' odds rose 0.5). This
-        holds the call token's own log-probability, where a rise costs in proportion however unlikely it is."""
-        total = 0.0
-        for prompt, before in zip(anchor.prompts, start, strict=True):
-            rise = self._opening(prompt)[anchor.token] - before  # []
-            if float(rise.detach()) > 0:
-                (anchor.weight * rise / len(anchor.prompts)).backward()
-            total += float(rise.detach())
-        return total / len(anchor.prompts)
+        holds the call token's own log-probability, where a rise costs in proportion however unlikely it is.
+
+        The calls hold the other way: with small talk held, steps at a higher learning rate moved requests to
+        answers in words ("What is 39 times 68?" -> "39 times 68 is 246."), the shape of the answers written
+        from tool results that the batches rewarded."""
+        stats = {}
+        groups = (("anchor_rise", anchor.prompts, 1.0), ("anchor_calls", anchor.calls, -1.0))
+        at = 0
+        for name, prompts, sign in groups:
+            total = 0.0
+            for prompt, before in zip(prompts, start[at:at + len(prompts)], strict=True):
+                change = self._opening(prompt)[anchor.token] - before  # []
+                if sign * float(change.detach()) > 0:  # a chat nearer a call, or a call further from it
+                    (anchor.weight * sign * change / len(prompts)).backward()
+                total += float(change.detach())
+            at += len(prompts)
+            if prompts:
+                stats[name] = total / len(prompts)
+        return stats
 
     def _new_action(self, sample: Sample) -> list[int] | None:
         """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do

@@ -314,7 +314,7 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
                                                                                       monkeypatch, weight):  # fmt: skip
     """``learner.rehearsal.anchor_weight``: the step is given every item of the rehearsal set whose reply calls no
     tool (chats, answers read off a tool), not only the ones drawn into it, to hold their odds of opening with a
-    call, at the configured weight; 0: no anchor."""
+    call, and the calls drawn into it, to hold theirs, at the configured weight; 0: no anchor."""
     given = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: given.append(a) or {})
     learner = make_learner(learner_config(rehearsal={"anchor_weight": weight}), store, MemoryBus(), tiny_model, tmp_path)
@@ -327,8 +327,9 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
         await judged_turn(store, new_trainer(tiny_model), q, GOOD, +1, "train")
     await learner.train_ready()
     [(baseline, rehearsal, rehearsal_weight, first, anchor)] = given
-    if weight:
-        assert anchor == Anchor([p for p, _ in chats], call[0], weight)  # the call's first token
+    if weight:  # and the step's drawn calls, whose odds of opening with one it holds the other way
+        assert (chats[0][0], call) in rehearsal
+        assert anchor == Anchor([p for p, _ in chats], call[0], weight, [chats[0][0]])  # the call's first token
     else:
         assert anchor is None
 
@@ -471,6 +472,33 @@ def test_an_anchor_holds_small_talks_odds_of_opening_with_a_call_where_the_step_
     held, held_stats = rise(20.0)
     assert "anchor_rise" not in free_stats and "anchor_rise" in held_stats
     assert free > 1e-3 and held < free / 2
+
+
+def test_an_anchor_holds_requests_odds_of_opening_with_a_call_where_the_step_found_them(tiny_model):
+    """``Anchor.calls``: a step that rewards answers in words pulls every request towards answering in words;
+    each pass pushes back up every anchored call whose log-probability of opening with the call's token fell."""
+    lora = LORA.model_copy(update={"epochs": 4})
+    requests = ["What is 39 times 68?", "Add a todo to my work list: buy milk.", "Note that the door code is 4471."]
+    call = '<tool_call>{"name": "calculate"}</tool_call>'
+
+    def change(weight: float) -> tuple[float, dict[str, float]]:
+        torch.manual_seed(0)
+        trainer = new_trainer(tiny_model, lora=lora)
+        token = trainer.tokenizer.encode(call, add_special_tokens=False)[0]
+        prompts = [encode_turn(trainer, request, "")[1] for request in requests]
+        with torch.no_grad():
+            start = [float(trainer._opening(p)[token]) for p in prompts]
+        batch = [sample(trainer, "a", "What is 12 times 3?", "12 times 3 is 36.", 1),
+                 sample(trainer, "b", "Add eggs to my list.", call, -1)]  # fmt: skip
+        stats = trainer.step(batch, 0.0, anchor=Anchor([], token, weight, prompts))
+        with torch.no_grad():
+            now = [float(trainer._opening(p)[token]) for p in prompts]
+        return sum(n - s for n, s in zip(now, start, strict=True)) / len(prompts), stats
+
+    free, free_stats = change(0.0)
+    held, held_stats = change(20.0)
+    assert "anchor_calls" not in free_stats and "anchor_calls" in held_stats and "anchor_rise" not in held_stats
+    assert free < -1e-3 and held > free / 2
 
 
 def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_layers_train_alone(tiny_model):
