@@ -385,6 +385,10 @@ class LearnerConfig(Section):
     # its own prompt, where a short complaint answered with a tool call teaches small talk to call tools;
     # what it corrects is taught by the hint on the corrected request. true: it trains like any turn
     train_corrections: bool = False
+    # false: an answer written from tool results ("Added milk to your errands list.") trains nothing; what
+    # the user meant is in the call before it, and rewarded, such answers taught requests to be answered in
+    # their shape without the call. true: they train as successes (a hint on them goes to the call)
+    train_tool_answers: bool = True
     # each step also trains on up to this many of its lineage's earlier hinted samples whose step the gate
     # rejected or a rollback retired (newest first): a hint that came with a step turned away is taught again
     # beside the new batch, not lost; 0 = none

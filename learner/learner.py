@@ -311,7 +311,8 @@ class Learner:
                 judge=verdict.judge,
                 split=self._split(turn.request_id),
                 trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self._trains(turn.user_id)
-                and (self.config.train_corrections or not answers_correction(turn)),
+                and (self.config.train_corrections or not answers_correction(turn))
+                and (self.config.train_tool_answers or not _reads_tool_results(turn)),
             )
         )
 

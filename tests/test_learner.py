@@ -943,7 +943,9 @@ async def answered_with_now(experience: Experience, session_id: str, request_id:
     step0 = await experience.record(TurnCreate(**common, step=0, prompt_messages=asked, tool_calls=[call],
                                                response_token_ids=[1, 2], response_logprobs=[-0.1, -0.2]))  # fmt: skip
     await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": result}]})
-    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=asked, response_text=answer,
+    called = [*asked, {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "c1", "name": "now", "content": result}]  # fmt: skip
+    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=called, response_text=answer,
                                                response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
     return step0, step1
 
@@ -1005,6 +1007,22 @@ async def test_a_corrections_own_call_trains_only_when_train_corrections_is_on(t
     assert [judged[t.id].score for t in (step0, step1, retry, answer)] == [-1, -1, 1, 1]
     assert judged[step0.id].trainable and judged[step1.id].trainable and judged[answer.id].trainable
     assert judged[retry.id].trainable is train_corrections
+    await bus.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("train_tool_answers", [True, False])
+async def test_an_answer_read_off_a_tool_trains_only_when_train_tool_answers_is_on(tmp_path, store, train_tool_answers):
+    """now(Lisbon) answered "It is 09:00.", then thanked: both steps are judged +1; with ``train_tool_answers``
+    off the answer trains nothing (rewarded, such answers taught requests to be answered in words) and the call
+    still does."""
+    bus, experience, learner = await judging(tmp_path, store, train_tool_answers=train_tool_answers)
+    session, call, answer = await time_at_home(store, experience, "Lisbon", "09:00", "It is 09:00.")
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
+    await learner.catch_up()
+    judged = [await store.get_judgment(t.id) for t in (call, answer)]
+    assert [j.score for j in judged] == [1, 1]
+    assert judged[0].trainable and judged[1].trainable is train_tool_answers
     await bus.aclose()
 
 
