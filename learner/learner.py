@@ -152,6 +152,7 @@ class Learner:
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
+        self._kept_by_base: list[bool] | None = None  # the pinned turns the base model answers as pinned
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
         self._recall = recall if config.lessons and config.relesson else None
@@ -576,11 +577,23 @@ class Learner:
                            ) -> tuple[list[float], list[bool], list[list[int]]]:  # fmt: skip
         """The regression set under the live version (loaded in ``trainer``): its log-probs, and
         :meth:`_kept` with the greedy replies (a candidate's likeliest guesses); the same for every
-        candidate made from it, so it is replayed once per live version."""
+        candidate made from it, so it is replayed once per live version.
+
+        A pinned turn counts as kept only where the base model keeps it too: the gate holds the skill the
+        model came with. A turn the base answers wrong sits near a tie (the warm start left "Note that seat
+        14C on the train." answered in words); a promoted step that happened to get it right made every
+        later candidate that tipped it back a "loss", and the gate turned away 8 steps in a row for it."""
         if self._regression_live is None or self._regression_live[0] != live:
             # the version before's replies are the likeliest guesses; the pinned replies the first time
             guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
             kept, replies = self._kept(trainer, regression, guesses)
+            if self._kept_by_base is None and live is None:
+                self._kept_by_base = kept
+            elif self._kept_by_base is None:
+                with trainer.model.disable_adapter():
+                    self._kept_by_base, _ = self._kept(trainer, regression, guesses)
+            if len(self._kept_by_base) == len(kept):
+                kept = [k and base for k, base in zip(kept, self._kept_by_base, strict=True)]
             self._regression_live = (live, trainer.mean_logprobs(regression), kept, replies)
         return self._regression_live[1:]
 

@@ -803,6 +803,29 @@ async def test_a_hint_that_names_nothing_trains_its_sample_on_the_score_alone(ti
     assert taught[named].teacher_prompt_ids is not None
 
 
+@pytest.mark.anyio
+async def test_a_pinned_turn_the_base_answers_wrong_is_not_held_against_a_candidate(tiny_model, tmp_path, store,
+                                                                                   monkeypatch):  # fmt: skip
+    """The gate keeps the skill the model came with: a pinned turn counts as kept by the live version only where
+    the base model (adapter off) keeps it too, read once and reused for every later live version."""
+    learner = make_learner(learner_config(), store, MemoryBus(), tiny_model, tmp_path)
+    trainer = learner._trainer_now()
+    regression = [encode_turn(trainer, q, "Hello!")[1:] for q in ("Hi.", "Note that the key is with Tom.", "Hey.")]
+    learner._pinned = [object()] * len(regression)
+    reads = []
+
+    def kept(self, trainer, regression, guesses):
+        off = any(getattr(m, "disable_adapters", None) is True for m in trainer.model.modules())
+        reads.append("base" if off else "live")
+        return ([True, False, True] if off else [True, True, True]), [[0]] * len(regression)
+
+    monkeypatch.setattr(Learner, "_kept", kept)
+    _, first, _ = learner._regression_before(trainer, "global-0001", regression)
+    assert first == [True, False, True] and sorted(reads) == ["base", "live"]
+    _, second, _ = learner._regression_before(trainer, "global-0002", regression)
+    assert second == [True, False, True] and reads[2:] == ["live"]  # the base's answers are read once
+
+
 @pytest.fixture(scope="module")
 def hello_policy(tiny_model, tmp_path_factory) -> tuple[Path, list[dict]]:
     """The tiny model taught to answer "Say hello." with "Hello!"."""
