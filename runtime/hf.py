@@ -558,7 +558,7 @@ class TransformersBackend:
         return sorted(self._adapters)
 
     async def aclose(self) -> None:
-        self._engine.close()
+        await asyncio.to_thread(self._engine.close, 30.0)  # the loop ends between two steps
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -271,6 +271,19 @@ async def test_a_bfloat16_backend_serves_in_bfloat16_with_float32_log_probs(mode
 
 
 @pytest.mark.anyio
+async def test_closing_the_backend_ends_its_batching_thread_before_it_returns(model_dir):
+    # a process that exited with the loop's thread still in torch aborted now and then (exit -6)
+    from whet.runtime.hf import TransformersBackend
+
+    engine = TransformersBackend(str(model_dir), device="cpu", workers=2)
+    await engine.generate(PROMPTS[1], [], SamplingParams(max_new_tokens=4, temperature=0.0))
+    thread = engine._engine._thread
+    assert thread.is_alive()
+    await engine.aclose()
+    assert not thread.is_alive()
+
+
+@pytest.mark.anyio
 async def test_a_request_whose_prefill_fails_gets_the_error_while_the_batch_goes_on(backend, monkeypatch):
     engine = backend._engine
     real_prefill = engine._prefill
