@@ -555,16 +555,15 @@ class LoraTrainer:
         answers in words ("What is 39 times 68?" -> "39 times 68 is 246."), the shape of the answers written
         from tool results that the batches rewarded."""
         stats = {}
-        groups = (("anchor_rise", anchor.prompts, 1.0), ("anchor_calls", anchor.calls, -1.0))
-        at = 0
-        for name, prompts, sign in groups:
+        talk = len(anchor.prompts)  # ``start`` holds the small talk's, then the calls'
+        groups = (("anchor_rise", anchor.prompts, start[:talk], 1.0), ("anchor_calls", anchor.calls, start[talk:], -1.0))
+        for name, prompts, starts, sign in groups:
             total = 0.0
-            for prompt, before in zip(prompts, start[at:at + len(prompts)], strict=True):
+            for prompt, before in zip(prompts, starts, strict=True):
                 change = self._opening(prompt)[anchor.token] - before  # []
                 if sign * float(change.detach()) > 0:  # a chat nearer a call, or a call further from it
                     (anchor.weight * sign * change / len(prompts)).backward()
                 total += float(change.detach())
-            at += len(prompts)
             if prompts:
                 stats[name] = total / len(prompts)
         return stats
