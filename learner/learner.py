@@ -417,7 +417,7 @@ class Learner:
     async def _unkept_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
         """``learner.replay_hints``: ``user_id``'s lineage's earlier hinted samples that the live weights
         were not trained on (their step rejected, or retired by a rollback), newest first; none whose
-        hint a sample drops (:meth:`_sample`: an answer written from tool results)."""
+        hint a sample drops (:func:`_taught_hint`)."""
         wanted = self.config.replay_hints
         if wanted <= 0:
             return []
@@ -435,7 +435,7 @@ class Learner:
             if not page:
                 break
             read += len(page)
-            found += [(j, t) for j, t in page if not _reads_tool_results(t)]
+            found += [(j, t) for j, t in page if _taught_hint(j.hint, t) is not None]
         return found[:wanted]
 
     def _trainer_now(self) -> LoraTrainer:
@@ -613,22 +613,12 @@ class Learner:
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None) -> Sample:
         """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
         the lessons it was served with (a prompt that cannot be rebuilt faithfully stays as recorded)."""
-        score, hint = judgment.score, judgment.hint
+        score, hint = judgment.score, _taught_hint(judgment.hint, turn)
         messages, prompt_ids = turn.prompt_messages, turn.prompt_token_ids
         if lessons is not None:
             messages, prompt_ids = relessoned(trainer.tokenizer, messages, prompt_ids, lessons) or (messages, prompt_ids)
-        if _reads_tool_results(turn):
-            # An answer written from tool results said what the tools returned: a correction of
-            # it is a correction of the call that fed it, which gets this verdict by credit. So
-            # such an answer learns from success only; taught "not Paris" after a Paris result,
-            # or given a hinted teacher that says Lisbon over it, it would learn to misreport.
-            score, hint = max(score, 0), None
-        if hint and hint.startswith(CONTENT_FREE_HINTS):
-            # "The user had to ask again: Is it late at home?" says the action was wrong, not what
-            # was right: shown it, the teacher wrote another made-up answer ("It is 12:15 in
-            # Ashton."), and learning that taught answering in words where a tool was wanted (two
-            # pinned calls went to text). Such a sample learns from its score alone, as lessons do.
-            hint = None
+        if _reads_tool_results(turn):  # learns from success only (:func:`_taught_hint`)
+            score = max(score, 0)
         teacher = None
         if hint:
             teacher = hinted_prompt_ids(trainer.tokenizer, messages, prompt_ids, hint)
@@ -713,6 +703,23 @@ class Learner:
             await self.registry.rollback(self.config.scope, owner, reason)
             self.progress.rolled_back.append(live.id)
             log.warning("adapter rolled back", version=live.id, reason=reason)
+
+
+def _taught_hint(hint: str | None, turn: Turn) -> str | None:
+    """The hint a sample of ``turn`` learns from (shown to its hinted teacher), or None.
+
+    An answer written from tool results said what the tools returned: a correction of it is a
+    correction of the call that fed it, which gets the verdict by credit. So such an answer learns
+    from success only; taught "not Paris" after a Paris result, or given a hinted teacher that says
+    Lisbon over it, it would learn to misreport.
+
+    A hint that names nothing ("The user had to ask again: Is it late at home?") says the action was
+    wrong, not what was right: shown it, the teacher wrote another made-up answer ("It is 12:15 in
+    Ashton."), and learning that taught answering in words where a tool was wanted (two pinned calls
+    went to text). Such a sample learns from its score alone, as lessons do."""
+    if not hint or _reads_tool_results(turn) or hint.startswith(CONTENT_FREE_HINTS):
+        return None
+    return hint
 
 
 def _reads_tool_results(turn: Turn) -> bool:

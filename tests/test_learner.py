@@ -789,18 +789,20 @@ async def test_a_hint_that_names_nothing_trains_its_sample_on_the_score_alone(ti
     # wrong: a teacher shown them writes another guess, which the student would learn as the right action
     steps: list[list] = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
-    learner = make_learner(learner_config(batch_size=3), store, MemoryBus(), tiny_model, tmp_path)
+    learner = make_learner(learner_config(batch_size=3, replay_hints=8), store, MemoryBus(), tiny_model, tmp_path)
     encoder = new_trainer(tiny_model)
     asked = await judged_turn(store, encoder, QUESTIONS[0], BAD, -1, "train",
                               hint=REQUERY_HINT + "Is it late at home? Please answer")  # fmt: skip
     wrong = await judged_turn(store, encoder, QUESTIONS[1], BAD, -1, "train", hint=WRONG_HINT + "No, that's not right")
     named = await judged_turn(store, encoder, QUESTIONS[2], BAD, -1, "train", hint="The user meant Lisbon time")
-    await learner.train_ready()
+    [version] = await learner.train_ready()
     taught = {s.turn_id: s for s in steps[-1]}
     assert set(taught) == {asked, wrong, named}
     assert taught[asked].teacher_prompt_ids is None and taught[wrong].teacher_prompt_ids is None
     assert taught[asked].score == taught[wrong].score == -1
     assert taught[named].teacher_prompt_ids is not None
+    await store.update_adapter(version, status="rejected")  # a step turned away: only a hint that teaches is replayed
+    assert [t.id for _, t in await learner._unkept_hints(None, None)] == [named]
 
 
 @pytest.mark.anyio
