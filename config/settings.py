@@ -321,6 +321,10 @@ class GateConfig(Section):
     holdout_max: int = Field(64, ge=0)
     # a candidate is rejected when its preference margin (nats/token) is below -tolerance
     tolerance: float = Field(0.01, ge=0.0)
+    # ...once this many held-out turns have been judged: on fewer, one turn's noise decides (the same settings'
+    # first steps were promoted on 3 held-out turns and rejected on 1), so the margin is reported and the
+    # regression checks decide alone
+    holdout_min_turns: int = Field(4, ge=1)
     # JSONL of {"messages": [...], "response": "...", "tools"?: [...]}: pinned turns whose likelihood
     # must not drop; "bundled" = the shipped set of general skill (config/regression.jsonl); null = none
     regression_set: str | None = "bundled"

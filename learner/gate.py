@@ -6,7 +6,8 @@ adapter (``before``) and the candidate (``after``):
 - on held-out judged turns, the likelihood of positively judged actions should rise
   and that of negatively judged ones fall: the *preference margin*
   ``mean(after - before | +1) - mean(after - before | -1)`` must not be below
-  ``-tolerance``;
+  ``-tolerance``, once there are ``holdout_min_turns`` held-out turns to average (with fewer,
+  one turn's noise would decide: the margin is reported and the other checks decide);
 - on a pinned regression set (turns a person wants kept), the average change must not
   be below ``-regression_tolerance``, and no single item may fall by more than
   ``regression_item_tolerance``: a candidate that copies a lesson's city into "What time is
@@ -56,6 +57,7 @@ class PromotionGate:
     regression_tolerance: float = 0.05
     regression_item_tolerance: float | None = None  # None: the average alone decides
     regression_actions_lost: int | None = None  # None: greedy replies unchecked
+    holdout_min_turns: int = 1  # held-out turns the preference margin needs before it decides
 
     def decide(self, holdout: Sequence[Replayed], regression: Sequence[Replayed],
                actions: Sequence[tuple[bool, bool]] = ()) -> GateDecision:  # fmt: skip
@@ -68,6 +70,7 @@ class PromotionGate:
         worst = min(r.after - r.before for r in regression) if regression else None
         metrics = {
             "holdout_turns": len(holdout),
+            "holdout_min_turns": self.holdout_min_turns,
             "preference_margin": margin,
             "regression_turns": len(regression),
             "regression_drift": drift,
@@ -79,7 +82,8 @@ class PromotionGate:
             "regression_actions_lost": lost,
             "regression_actions_lost_items": lost_items,  # their lines in the regression set, from 0
         }
-        if margin is not None and margin < -self.tolerance:
+        decisive = margin is not None and len(holdout) >= self.holdout_min_turns
+        if decisive and margin < -self.tolerance:
             reason = f"held-out preference margin {margin:+.4f} nats/token is below -{self.tolerance}"
             return GateDecision(False, reason, metrics)
         if drift is not None and drift < -self.regression_tolerance:
@@ -93,8 +97,11 @@ class PromotionGate:
             reason = (f"{lost} pinned turn(s) that the live version answers right, the candidate answers wrong "
                       f"(allowed {self.regression_actions_lost})")  # fmt: skip
             return GateDecision(False, reason, metrics)
-        checked = [n for n, v in (("held-out", margin), ("regression", drift)) if v is not None]
+        checked = [n for n, v in (("held-out", margin if decisive else None), ("regression", drift)) if v is not None]
         reason = f"passed {' and '.join(checked)} replay" if checked else "no held-out or regression data: passed"
+        if margin is not None and not decisive:
+            reason += (f" (held-out margin {margin:+.4f} nats/token on {len(holdout)} turn(s), "
+                       f"fewer than the {self.holdout_min_turns} it needs to decide)")  # fmt: skip
         return GateDecision(True, reason, metrics)
 
 

@@ -141,7 +141,8 @@ class Learner:
         self.judge = judge
         self.registry = registry
         self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance,
-                                  config.gate.regression_item_tolerance, config.gate.regression_actions_lost)
+                                  config.gate.regression_item_tolerance, config.gate.regression_actions_lost,
+                                  config.gate.holdout_min_turns)
         self.progress = Progress()
         self._make_trainer = trainer if config.train else None
         self._trainer: LoraTrainer | None = None

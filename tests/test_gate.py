@@ -22,6 +22,19 @@ def test_the_gate_accepts_within_every_tolerance_and_says_what_it_checked():
     assert abs(decision.metrics["preference_margin"] - 0.4) < 1e-9
 
 
+def test_a_held_out_margin_on_fewer_turns_than_it_needs_is_reported_but_does_not_decide():
+    one_turn = [Replayed(1, -1.0, -1.3)]  # one good held-out action a little less likely: margin -0.3
+    items = [Replayed(0, -0.5, -0.5)] * 4
+    decision = PromotionGate(holdout_min_turns=4).decide(one_turn, items)
+    assert decision.accepted and "1 turn(s), fewer than the 4 it needs" in decision.reason
+    assert abs(decision.metrics["preference_margin"] + 0.3) < 1e-9 and decision.metrics["holdout_min_turns"] == 4
+    assert decision.reason.startswith("passed regression replay")  # the held-out check is not claimed
+    four_turns = one_turn * 2 + [Replayed(-1, -1.0, -1.0)] * 2
+    decision = PromotionGate(holdout_min_turns=4).decide(four_turns, items)
+    assert not decision.accepted and "held-out preference margin -0.3000" in decision.reason
+    assert not PromotionGate().decide(one_turn, items).accepted  # the gate alone: one turn decides
+
+
 def test_a_falling_regression_average_is_rejected():
     items = [Replayed(0, -0.5, -0.6)] * 4
     decision = PromotionGate(regression_tolerance=0.05).decide([], items)
