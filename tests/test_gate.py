@@ -33,6 +33,7 @@ def test_a_held_out_margin_on_fewer_turns_than_it_needs_is_reported_but_does_not
     decision = PromotionGate(holdout_min_turns=4).decide(four_turns, items)
     assert not decision.accepted and "held-out preference margin -0.3000" in decision.reason
     assert not PromotionGate().decide(one_turn, items).accepted  # the gate alone: one turn decides
+    assert PromotionGate(holdout_min_turns=4).decide(one_turn, []).reason.startswith("no regression data: passed")
 
 
 def test_a_falling_regression_average_is_rejected():
