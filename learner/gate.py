@@ -98,9 +98,11 @@ class PromotionGate:
                       f"(allowed {self.regression_actions_lost})")  # fmt: skip
             return GateDecision(False, reason, metrics)
         checked = [n for n, v in (("held-out", margin if decisive else None), ("regression", drift)) if v is not None]
-        reason = f"passed {' and '.join(checked)} replay" if checked else "no held-out or regression data: passed"
+        if checked:
+            reason = f"passed {' and '.join(checked)} replay"
+        else:
+            reason = "no regression data: passed" if margin is not None else "no held-out or regression data: passed"
         if margin is not None and not decisive:
-            reason = reason if checked else "no regression data: passed"
             reason += (f" (held-out margin {margin:+.4f} nats/token on {len(holdout)} turn(s), "
                        f"fewer than the {self.holdout_min_turns} it needs to decide)")  # fmt: skip
         return GateDecision(True, reason, metrics)
