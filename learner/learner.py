@@ -311,7 +311,7 @@ class Learner:
                 hint=verdict.hint,
                 reason=reason or verdict.reason,
                 judge=verdict.judge,
-                split=self._split(turn.request_id),
+                split=await self._split(turn),
                 trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self._trains(turn.user_id)
                 and (self.config.train_corrections or not answers_correction(turn))
                 and (self.config.train_tool_answers or not _reads_tool_results(turn)),
@@ -324,9 +324,15 @@ class Learner:
         trusted = self.config.trusted_users
         return self.config.scope == "user" or trusted is None or user_id in trusted
 
-    def _split(self, request_id: str) -> str:
-        """Held out by request, deterministically, so all steps of a request land on one side."""
-        bucket = int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    async def _split(self, turn: Turn) -> str:
+        """Held out by request, so all steps of a request land on one side: by a hash of the user and
+        the request's place among theirs (its first verdict's side, once it has one). Not by the random
+        request id: the same conversation, replayed into a fresh deployment, holds out the same requests."""
+        if (split := await self.store.request_split(turn.request_id)) is not None:
+            return split
+        ordinal = await self.store.request_ordinal(turn.user_id, turn.request_id)
+        digest = hashlib.sha256(f"{turn.user_id}\n{ordinal}".encode()).hexdigest()
+        bucket = int(digest[:8], 16) / 0xFFFFFFFF
         return "holdout" if bucket < self.config.gate.holdout_fraction else "train"
 
     async def _credit(self, request: list[Turn], final: Turn, verdict: Verdict) -> None:

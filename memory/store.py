@@ -38,6 +38,7 @@ from whet.memory.tables import (
     APPROVAL_STATUSES,
     NEXT_STATE_KINDS,
     TABLES,
+    UNLEARNED_JUDGE,
     Adapter,
     Approval,
     ChatSession,
@@ -513,6 +514,27 @@ class Store:
         """The turns (agent steps) of one chat request, in step order."""
         query = select(Turn).where(Turn.request_id == request_id).order_by(Turn.step)
         return await self._run(lambda db: list(db.exec(query).all()))
+
+    async def request_split(self, request_id: str) -> str | None:
+        """The split an earlier verdict of this request was given, if any (all its steps share one)."""
+        query = select(Judgment.split).where(Judgment.request_id == request_id, Judgment.judge != UNLEARNED_JUDGE)
+        return await self._run(lambda db: db.exec(query.limit(1)).first())
+
+    async def request_ordinal(self, user_id: str, request_id: str) -> int:
+        """How many of ``user_id``'s requests began before ``request_id`` did, leaving out those sent
+        with ``store: false`` (they never learn): the same number for every step of the request,
+        and for the same conversation replayed into a fresh store."""
+
+        def work(db: Session) -> int:
+            began = db.exec(select(func.min(Turn.created_at)).where(Turn.request_id == request_id)).one()
+            if began is None:
+                return 0
+            unlearned = select(Judgment.turn_id).where(Judgment.judge == UNLEARNED_JUDGE, Judgment.user_id == user_id)
+            query = select(func.count(func.distinct(Turn.request_id))).where(
+                Turn.user_id == user_id, Turn.created_at < began, Turn.id.not_in(unlearned))
+            return db.exec(query).one()
+
+        return await self._run(work)
 
     async def save_judgment(self, judgment: Judgment) -> Judgment:
         """Insert or replace the verdict on a turn. A verdict already consumed by training keeps

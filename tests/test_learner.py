@@ -1213,6 +1213,44 @@ async def test_a_correction_with_a_nul_byte_is_judged_and_kept_as_a_lesson_on_po
         await store.aclose()
 
 
+async def replayed_splits(tmp_path: Path, url: str, unlearned: bool = True) -> list[list[str]]:
+    """One conversation of alice's (11 requests, each under a fresh random request id, the last a call then
+    its answer; when ``unlearned``, one more after the third, sent with ``store: false``) into a fresh store at
+    ``url``: each learnt request's sides, in the order they were asked."""
+    store = open_store(url)
+    bus, experience, learner = await judging(tmp_path, store, gate={"holdout_fraction": 0.5})
+    requests = [await closed_answer(experience, store, f"It is {hour}:00.", "thanks") for hour in range(3)]
+    if unlearned:
+        session = await store.create_session("alice")
+        await experience.record(TurnCreate(session_id=session.id, user_id="alice", request_id=f"req-{session.id}",
+                                           step=0, model="tiny", prompt_messages=[SYSTEM], response_text="Hi."),
+                                learn=False)  # fmt: skip
+    requests += [await closed_answer(experience, store, f"It is {hour}:00.", "thanks") for hour in range(3, 10)]
+    session, *steps = await time_at_home(store, experience, "Europe/Lisbon", "10:00", "It is 10:00.")
+    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "thanks"}]})
+    await learner.catch_up()
+    sides = [[(await store.get_judgment(turn_id)).split] for turn_id in requests]
+    sides.append([(await store.get_judgment(step.id)).split for step in steps])
+    await bus.aclose()
+    await store.aclose()
+    return sides
+
+
+@pytest.mark.anyio
+async def test_the_held_out_requests_follow_the_conversation_not_the_random_request_ids(tmp_path):
+    """A seeded benchmark replays one conversation: the same requests are held out in every replay (with random
+    request ids they were not, and two runs of one setting trained on different turns), a request sent with
+    ``store: false`` takes no place among them, and every step of a request lands on one side."""
+    first, second = [await replayed_splits(tmp_path, f"sqlite:///{tmp_path / f'{name}.db'}") for name in ("a", "b")]
+    assert first == second == await replayed_splits(tmp_path, f"sqlite:///{tmp_path / 'c.db'}", unlearned=False)
+    assert {"holdout", "train"} == {side for sides in first for side in sides}
+    assert len(set(first[-1])) == 1
+
+
+@pytest.mark.anyio
+async def test_the_held_out_requests_are_the_same_on_postgresql(tmp_path, postgres_schema_url):
+    assert await replayed_splits(tmp_path, postgres_schema_url) == await replayed_splits(tmp_path, f"sqlite:///{tmp_path / 'a.db'}")
+
 @pytest.mark.anyio
 async def test_a_training_step_runs_on_learner_threads_while_a_serving_thread_keeps_its_own(
     tiny_model, tmp_path, store
