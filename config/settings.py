@@ -365,7 +365,7 @@ class RehearsalConfig(Section):
     # every pass also holds each of the set's small talk's log-probability of opening with a tool call at or
     # below where the step found it (the mean rise, times this): a step's pull towards calls on every chat,
     # not only on the ones already near one
-    anchor_weight: float = Field(0.0, ge=0.0)
+    anchor_weight: float = Field(1.0, ge=0.0)
 
 
 class LearnerConfig(Section):
