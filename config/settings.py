@@ -334,6 +334,11 @@ class GateConfig(Section):
     # version does right (the pinned call, or an answer without one) the candidate may get wrong
     # (null: unchecked)
     regression_actions_lost: int | None = Field(0, ge=0)
+    # ...not counting a pinned call the base model makes by less than this many nats at its closest token (the
+    # log-probability of its token there against the best other): a near tie that the noise of any step tips
+    # either way (the warm start calls calculate on "What's 23 plus 24?" by 0.03 nats over another tool's name;
+    # of two runs of the same first step, one tipped it and was turned away); the likelihood checks still hold it
+    pinned_tie_margin: float = Field(0.5, ge=0.0)
     # after promotion: roll back when the live adapter's mean judged score over this many
     # recent turns falls below its predecessor's by more than rollback_margin
     rollback_window: int = Field(16, ge=1)

@@ -595,14 +595,30 @@ class Learner:
             guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
             kept, replies = self._kept(trainer, regression, guesses)
             if self._kept_by_base is None and live is None:
-                self._kept_by_base = kept
+                self._kept_by_base = self._surely_kept(trainer, regression, kept, replies)
             elif self._kept_by_base is None:
                 with trainer.model.disable_adapter():
-                    self._kept_by_base, _ = self._kept(trainer, regression, guesses)
+                    self._kept_by_base = self._surely_kept(trainer, regression, *self._kept(trainer, regression, guesses))
             if len(self._kept_by_base) == len(kept):
                 kept = [k and base for k, base in zip(kept, self._kept_by_base, strict=True)]
             self._regression_live = (live, trainer.mean_logprobs(regression), kept, replies)
         return self._regression_live[1:]
+
+    def _surely_kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]], kept: list[bool],
+                     replies: list[list[int]]) -> list[bool]:  # fmt: skip
+        """Of the pinned turns the model in ``trainer`` keeps (``kept``, its greedy ``replies``), those it keeps
+        by more than ``gate.pinned_tie_margin``: a pinned call whose reply has a token within that many nats
+        of another is a near tie, which any step's noise tips either way, and is left out of the count."""
+        margin = self.config.gate.pinned_tie_margin
+        calls = [i for i, k in enumerate(kept) if k and self._pinned[i].calls]
+        if not margin or not calls:
+            return kept
+        gaps = trainer.reply_gaps([regression[i][0] for i in calls], [replies[i] for i in calls])
+        ties = {i for i, g in zip(calls, gaps, strict=True) if g and min(g) < margin}
+        if ties:
+            log.info("pinned calls near a tie: not counted by the gate's greedy check", items=sorted(ties),
+                     margin=margin)  # fmt: skip
+        return [k and i not in ties for i, k in enumerate(kept)]
 
     def _kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]],
               guesses: list[list[int]] | None) -> tuple[list[bool], list[list[int]]]:  # fmt: skip

@@ -299,6 +299,28 @@ class LoraTrainer:
                 actions.append(out)
         return actions
 
+    def reply_gaps(self, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each reply read after its prompt, how much likelier each of its tokens is than the best other
+        there, in nats (above 0 everywhere: greedy decoding writes that reply; near 0 somewhere: a near tie,
+        which the noise of any step may tip). In the weights' own dtype, as :meth:`greedy_actions` decodes;
+        the prompts' shared prefix is read once."""
+        gaps = []
+        with torch.no_grad():
+            start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
+            for prompt, reply in zip(prompts, replies, strict=True):
+                if not reply:
+                    gaps.append([])
+                    continue
+                cache = copy.deepcopy(shared) if shared is not None else None
+                ids = torch.tensor([[*prompt, *reply][start:-1]], device=self.device)  # token i predicts i+1
+                logits = self.model(ids, **with_cache(cache), use_cache=cache is not None,
+                                    **self._keep(len(reply))).logits[0, -len(reply):].float()  # fmt: skip
+                logp = torch.log_softmax(logits, -1)  # [T, V]
+                chosen = _pick(logp, reply)  # [T]
+                others = logp.scatter(1, torch.tensor(reply, device=self.device)[:, None], float("-inf"))
+                gaps.append((chosen - others.max(-1).values).tolist())
+        return gaps
+
     def opening_odds(self, prompts: Sequence[Sequence[int]], token: int) -> list[float]:
         """For each prompt, how much likelier ``token`` is than any other as the reply's first token, in
         nats (log-probability of ``token`` minus the best other's): above 0, greedy decoding opens with it.

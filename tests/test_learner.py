@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from whet.config.settings import LearnerConfig, LoraConfig
+from whet.learner.gate import PinnedAction
 from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
 from whet.learner.learner import TRAINER_STATE, Learner
 from whet.learner.model import stop_token_ids
@@ -813,7 +814,7 @@ async def test_a_pinned_turn_the_base_answers_wrong_is_not_held_against_a_candid
     learner = make_learner(learner_config(), store, MemoryBus(), tiny_model, tmp_path)
     trainer = learner._trainer_now()
     regression = [encode_turn(trainer, q, "Hello!")[1:] for q in ("Hi.", "Note that the key is with Tom.", "Hey.")]
-    learner._pinned = [object()] * len(regression)
+    learner._pinned = [PinnedAction.of({"messages": [], "response": "Hello!"})] * len(regression)
     reads = []
 
     def kept(self, trainer, regression, guesses):
@@ -826,6 +827,41 @@ async def test_a_pinned_turn_the_base_answers_wrong_is_not_held_against_a_candid
     assert first == [True, False, True] and sorted(reads) == ["base", "live"]
     _, second, _ = learner._regression_before(trainer, "global-0002", regression)
     assert second == [True, False, True] and reads[2:] == ["live"]  # the base's answers are read once
+
+
+@pytest.mark.anyio
+async def test_a_pinned_call_the_base_makes_by_a_hair_is_not_held_against_a_candidate(tiny_model, tmp_path, store,
+                                                                                     monkeypatch):  # fmt: skip
+    """A pinned call whose base reply has a token within ``gate.pinned_tie_margin`` nats of another is a near
+    tie that any step's noise may tip: the greedy check leaves it out. A pinned call made surely, and a pinned
+    answer (the margin is about calls), stay counted; a margin of 0 counts them all."""
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "23 + 24"}}\n</tool_call>'
+    pinned = [PinnedAction.of({"messages": [], "response": call})] * 2 + [PinnedAction.of({"messages": [], "response": "Hi!"})]
+    gaps = [[3.0, 1.2], [3.0, 0.03], [0.01]]  # surely, by a hair, an answer
+    for margin, counted in ((0.5, [True, False, True]), (0.0, [True, True, True])):
+        learner = make_learner(learner_config(gate={"pinned_tie_margin": margin}), store, MemoryBus(), tiny_model,
+                               tmp_path / str(margin))  # fmt: skip
+        trainer = learner._trainer_now()
+        regression = [encode_turn(trainer, q, "Hello!")[1:] for q in ("What's 23 plus 24?", "What's 2 plus 2?", "Hi.")]
+        learner._pinned = pinned
+        monkeypatch.setattr(Learner, "_kept", lambda self, trainer, regression, guesses: (
+            [True] * 3, [[i] for i in range(3)]))
+        monkeypatch.setattr(LoraTrainer, "reply_gaps", lambda self, prompts, replies: [gaps[r[0]] for r in replies])
+        _, kept, _ = learner._regression_before(trainer, None, regression)
+        assert kept == counted
+
+
+def test_reply_gaps_say_how_near_greedy_decoding_is_to_leaving_a_reply(hello_policy):
+    """Along the reply the policy writes greedily every token is likelier than any other (gaps above 0); along
+    another, the tokens it would not write have gaps below 0."""
+    policy, chat = hello_policy
+    trainer = new_trainer(policy)
+    _, prompt, written = encode_turn(trainer, "Say hello.", "Hello!")
+    [greedy] = trainer.greedy_actions([prompt], [len(written) + 4])
+    assert greedy == written
+    [own, other] = trainer.reply_gaps([prompt, prompt], [written, encode_turn(trainer, "Say hello.", "Goodbye.")[2]])
+    assert len(own) == len(written) and min(own) > 0
+    assert min(other) < 0
 
 
 @pytest.fixture(scope="module")
@@ -846,11 +882,12 @@ async def test_the_gate_rejects_a_candidate_whose_greedy_reply_breaks_a_pinned_t
 ):
     """A step pushing a tool call onto pinned small talk breaks its greedy reply while the pinned
     reply's likelihood stays within a (here lax) tolerance: the greedy check is what rejects it."""
-    from whet.learner.gate import PinnedAction
-
     policy, chat = hello_policy
+    torch.manual_seed(0)  # the adapter's draw: the test's outcome must not hang on the tests before it
+    # the anchor, which holds small talk's odds of a call, is off: this is the greedy check's test
     config = learner_config(batch_size=8, objective={"kind": "rl"},
                             lora={**LORA.model_dump(), "learning_rate": 5e-2, "epochs": 4},
+                            rehearsal={"anchor_weight": 0.0},
                             gate={"holdout_fraction": 0.0, "regression_tolerance": 100.0,
                                   "regression_actions_lost": checked})  # fmt: skip
     encoder = new_trainer(policy)
