@@ -24,7 +24,7 @@ import inspect
 import os
 import platform
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,24 +302,14 @@ class LoraTrainer:
     def reply_gaps(self, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]]) -> list[list[float]]:
         """For each reply read after its prompt, how much likelier each of its tokens is than the best other
         there, in nats (above 0 everywhere: greedy decoding writes that reply; near 0 somewhere: a near tie,
-        which the noise of any step may tip). In the weights' own dtype, as :meth:`greedy_actions` decodes;
-        the prompts' shared prefix is read once."""
-        gaps = []
-        with torch.no_grad():
-            start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
-            for prompt, reply in zip(prompts, replies, strict=True):
-                if not reply:
-                    gaps.append([])
-                    continue
-                cache = copy.deepcopy(shared) if shared is not None else None
-                ids = torch.tensor([[*prompt, *reply][start:-1]], device=self.device)  # token i predicts i+1
-                logits = self.model(ids, **with_cache(cache), use_cache=cache is not None,
-                                    **self._keep(len(reply))).logits[0, -len(reply):].float()  # fmt: skip
-                logp = torch.log_softmax(logits, -1)  # [T, V]
-                chosen = _pick(logp, reply)  # [T]
-                others = logp.scatter(1, torch.tensor(reply, device=self.device)[:, None], float("-inf"))
-                gaps.append((chosen - others.max(-1).values).tolist())
-        return gaps
+        which the noise of any step may tip). In the weights' own dtype, as :meth:`greedy_actions` decodes."""
+        read = [(p, r) for p, r in zip(prompts, replies, strict=True) if r]
+        found = []
+        for logp, (_, reply) in zip(self._reply_logps(read, served_dtype=True), read, strict=True):  # [T, V] each
+            others = logp.scatter(1, torch.tensor(reply, device=self.device)[:, None], float("-inf"))
+            found.append((_pick(logp, reply) - others.max(-1).values).tolist())
+        gaps = iter(found)
+        return [next(gaps) if reply else [] for reply in replies]
 
     def opening_odds(self, prompts: Sequence[Sequence[int]], token: int) -> list[float]:
         """For each prompt, how much likelier ``token`` is than any other as the reply's first token, in
@@ -343,8 +333,15 @@ class LoraTrainer:
     def mean_logprobs(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
         """:meth:`mean_logprob` of each (prompt, response), exactly under the adapter as it is now;
         the prefix the prompts share is read once for all of them."""
-        out = []
-        with torch.no_grad(), self._autocast():
+        return [float(_pick(logp, response).mean()) for logp, (_, response)
+                in zip(self._reply_logps(items), items, strict=True)]  # fmt: skip
+
+    def _reply_logps(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                     served_dtype: bool = False) -> Iterator[torch.Tensor]:  # fmt: skip
+        """Log-probabilities over the vocabulary at each response token of each (prompt, response), [T, V],
+        without gradients, one item at a time; the prefix the prompts share is read once for all of them.
+        Under ``lora.precision``'s autocast, or in the weights' own dtype (``served_dtype``)."""
+        with torch.no_grad(), nullcontext() if served_dtype else self._autocast():
             start, shared = self._shared_prefix([tuple(p[:-1]) for p, _ in items])
             for prompt, response in items:
                 tokens = [*prompt, *response]
@@ -352,9 +349,7 @@ class LoraTrainer:
                 ids = torch.tensor([tokens[start:-1]], device=self.device)  # [1, L]: token i predicts i+1
                 logits = self.model(ids, **with_cache(cache), use_cache=cache is not None,
                                     **self._keep(len(response))).logits[0, -len(response):]  # fmt: skip
-                picked = _pick(torch.log_softmax(logits.float(), dim=-1), response)  # [T]
-                out.append(float(picked.mean()))
-        return out
+                yield torch.log_softmax(logits.float(), dim=-1)
 
     def _shared_prefix(self, keys: Sequence[tuple[int, ...]]) -> tuple[int, Any]:
         """(length, keys and values) of the prefix that all of several prompts share (the system prompt
