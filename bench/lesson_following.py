@@ -11,6 +11,9 @@ checker:
 - ``hint``: with the same correction as a ``[hint]`` in the user's message
   (what the learner's teacher sees in hindsight distillation).
 
+Each way also says how many answers called a tool at all: every held-out task needs one, so an
+answer in words alone made its value up.
+
 This isolates the policy from the rest of the loop (judge, retrieval, gate):
 if ``lesson`` is not far above ``nothing``, lessons cannot help ``whet bench learn``.
 
@@ -114,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         tools = BundledTools(Path(scratch))
         try:
             policy = Policy(folder, tools)
-            done = dict.fromkeys(WAYS, 0)
+            done, called = dict.fromkeys(WAYS, 0), dict.fromkeys(WAYS, 0)
             for task in tasks:
                 # the earlier request the lesson came from: same intent (and person), another phrasing
                 earlier = task if "person" in task.meta else make_task(task.intent, rng, profile)
                 for way in WAYS:
                     calls, answer = policy.solve(prompt(way, task, earlier))
                     done[way] += task.check(calls, answer)
+                    called[way] += bool(calls)  # every held-out task needs a tool: words alone are made up
             kept = dict.fromkeys(GENERAL_WAYS, 0)
             for task in general:
                 for way, messages in (("plain", prompt("nothing", task, task)),
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             tools.close()
     print(f"model {folder}, profile {profile.name}, seed {args.seed}, {len(tasks)} held-out personal tasks")
     for way in WAYS:
-        print(f"  {way:10s} {done[way]:3d}/{len(tasks)}  {done[way] / len(tasks):.2f}")
+        print(f"  {way:10s} {done[way]:3d}/{len(tasks)}  {done[way] / len(tasks):.2f}"
+              f"   (called a tool: {called[way]}/{len(tasks)})")
     print(f"{len(general)} general tasks")
     for way in GENERAL_WAYS:
         print(f"  {way:10s} {kept[way]:3d}/{len(general)}  {kept[way] / max(1, len(general)):.2f}")

@@ -196,6 +196,38 @@ def test_the_warm_start_runs_end_to_end_on_a_small_base_and_writes_the_compact_t
     assert [p.name for p in out.parent.iterdir()] == ["smollm2"]  # staged, then renamed
 
 
+def test_the_warm_start_teaches_only_the_replies_after_the_last_user_message(built):
+    """A correction's first answer is history in words (a client sends back no tool calls): taught,
+    it made the model answer personal requests in words with a made-up value and no call."""
+    from transformers import AutoTokenizer
+
+    from whet.learner.templates import COMPACT_CHAT_TEMPLATE
+    from whet.world.warmstart import _tokenize, conversation_text
+
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    tokenizer.chat_template = COMPACT_CHAT_TEMPLATE
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": '{"timezone": "Lisbon"}'}}
+    messages = [
+        {"role": "system", "content": "You are whet."},
+        {"role": "user", "content": "What time is it at home?"},
+        {"role": "assistant", "content": "It is 14:15 on Tuesday in Cairo."},
+        {"role": "user", "content": "No, I meant Lisbon time."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "now", "content": '{"time": "09:30"}'},
+        {"role": "assistant", "content": "It is 09:30 on Saturday in Lisbon."},
+    ]
+    specs = [{"type": "function", "function": {"name": "now", "description": "The time.",
+                                               "parameters": {"properties": {"timezone": {"type": "string"}}}}}]
+    text, start = conversation_text(tokenizer, messages, specs)
+    assert text.index("Lisbon time.") < start < text.index('{"name": "now"')  # the history ends with the correction
+    ids, labels = _tokenize(tokenizer, text, replies_from=start)
+    taught = tokenizer.decode([t for t in labels if t != -100])
+    assert "Lisbon" in taught and "<tool_call>" in taught and "on Saturday in Lisbon." in taught
+    assert "Cairo" not in taught and "What time" not in taught and "09:30\"}" not in taught  # history, tool output
+    _, every = _tokenize(tokenizer, text)  # from the start: the history's answer is taught too
+    assert "Cairo" in tokenizer.decode([t for t in every if t != -100])
+
+
 def test_a_distilled_answer_cut_at_the_token_limit_ends_at_its_last_full_sentence():
     from whet.world.warmstart import tidy_answer
 

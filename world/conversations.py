@@ -17,6 +17,9 @@ learns to *read* preferences rather than to know any one user's:
   learner's teacher sees it in hindsight distillation;
 - ``correction``: a wrong answer, then the user's correction, then the redo;
 - ``thanks``: an answer, the user's thanks, a short reply;
+
+(in those two, the first answer is history as a client sends it back, in words: only the
+replies after the last user message are taught, see :func:`whet.world.warmstart.render_conversations`)
 - ``chat``: a request no tool answers (small talk, facts, writing), answered in the base
   model's own words (self-distilled before fine-tuning), so that it keeps chatting and
   does not call a tool for everything.
@@ -188,7 +191,7 @@ ACK_REPLIES = ("Glad to help.", "Any time!", "Let me know if you need anything e
 @dataclass
 class Example:
     kind: str
-    messages: list[dict[str, Any]]  # system first; assistant messages are the targets
+    messages: list[dict[str, Any]]  # system first; the assistant messages after the last user message are the targets
     tools: list[dict[str, Any]]
 
 

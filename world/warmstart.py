@@ -174,29 +174,46 @@ def tidy_answer(text: str) -> str:
 
 
 def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[str, str]],
-                         report: Progress) -> list[str]:  # fmt: skip
-    """The training conversations as prompt strings, exactly as the server renders them."""
-    from whet.learner.prompt import prompt_text
+                         report: Progress) -> list[tuple[str, int]]:  # fmt: skip
+    """The training conversations as :func:`conversation_text` renders them."""
     from whet.world.conversations import examples
 
     texts = []
     for i, example in enumerate(examples(recipe.conversations, recipe.seed, chats=chats)):
-        texts.append(prompt_text(tokenizer, example.messages, example.tools, add_generation_prompt=False))
+        texts.append(conversation_text(tokenizer, example.messages, example.tools))
         if i % 16 == 0:
             report("data", i, recipe.conversations, {})
     report("data", recipe.conversations, recipe.conversations, {})
     return texts
 
 
-def train(model: Any, tokenizer: Any, texts: Sequence[str], recipe: Recipe, report: Progress) -> None:
-    """Fine-tune ``model`` in place on the assistant's tokens of ``texts``."""
+def conversation_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                      tools: Sequence[dict[str, Any]]) -> tuple[str, int]:  # fmt: skip
+    """A training conversation as a prompt string, exactly as the server renders it, and where its
+    taught replies begin: after the last user message. What the assistant said before that is the
+    history a client sends back (an earlier answer in words, the tool calls that made it left out),
+    context and never taught: taught, a correction's wrong first answer made the model answer
+    personal requests in words, with a made-up value and no tool call."""
+    from whet.learner.prompt import prompt_text
+
+    text = prompt_text(tokenizer, list(messages), list(tools), add_generation_prompt=False)
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    history = prompt_text(tokenizer, list(messages[: last_user + 1]), list(tools), add_generation_prompt=False)
+    if not text.startswith(history):
+        raise ValueError("the chat template renders a conversation's history unlike the start of the whole")
+    return text, len(history)
+
+
+def train(model: Any, tokenizer: Any, texts: Sequence[tuple[str, int]], recipe: Recipe, report: Progress) -> None:
+    """Fine-tune ``model`` in place on the assistant's tokens of ``texts``: (text, where its
+    trained replies begin), as :func:`render_conversations` gives them."""
     import torch
 
     from whet.learner.model import cache_of
 
-    prefix_text = _common_prefix(texts)
+    prefix_text = _common_prefix([text for text, _ in texts])
     prefix = tokenizer(prefix_text, add_special_tokens=False).input_ids if prefix_text else []
-    rows = [_tokenize(tokenizer, text, skip=len(prefix_text)) for text in texts]
+    rows = [_tokenize(tokenizer, text, skip=len(prefix_text), replies_from=start) for text, start in texts]
     batches = _batches(rows, recipe.batch_size, recipe.seed)
     layers = model.model.layers
     trained = list(model.parameters()) if recipe.layers is None else [
@@ -277,11 +294,11 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
-def _tokenize(tokenizer: Any, text: str, skip: int = 0) -> tuple[list[int], list[int]]:
-    """(ids, labels) of ``text[skip:]``: labels are the ids inside assistant replies (``<|im_end|>``
-    included), else -100."""
+def _tokenize(tokenizer: Any, text: str, skip: int = 0, replies_from: int = 0) -> tuple[list[int], list[int]]:
+    """(ids, labels) of ``text[skip:]``: labels are the ids inside the assistant replies that begin at
+    or after ``replies_from`` (``<|im_end|>`` included), else -100."""
     encoded = tokenizer(text[skip:], return_offsets_mapping=True, add_special_tokens=False)
-    spans, opener, at = [], "<|im_start|>assistant\n", skip
+    spans, opener, at = [], "<|im_start|>assistant\n", max(skip, replies_from)
     while (start := text.find(opener, at)) >= 0:
         begin = start + len(opener)
         end = text.index("<|im_end|>", begin) + len("<|im_end|>")
