@@ -17,12 +17,13 @@ learns to *read* preferences rather than to know any one user's:
   learner's teacher sees it in hindsight distillation;
 - ``correction``: a wrong answer, then the user's correction, then the redo;
 - ``thanks``: an answer, the user's thanks, a short reply;
-
-(in those two, the first answer is history as a client sends it back, in words: only the
-replies after the last user message are taught, see :func:`whet.world.warmstart.render_conversations`)
 - ``chat``: a request no tool answers (small talk, facts, writing), answered in the base
   model's own words (self-distilled before fine-tuning), so that it keeps chatting and
   does not call a tool for everything.
+
+In ``correction`` and ``thanks`` the first answer is history as a client sends it back, in
+words: only the replies after the last user message are taught
+(:func:`whet.world.warmstart.conversation_text`).
 
 Values come from :func:`training_vocabulary`, far wider than what the simulated users say (every city the
 clock server knows by name, many list names and people), so that the only way to get a
