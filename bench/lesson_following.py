@@ -8,6 +8,8 @@ checker:
 - ``lesson``: with the one lesson the learner would have written after the
   user corrected it on an earlier request of the same kind, in the system
   prompt (what the ``memory`` arm relies on);
+- ``success``: with the lesson a thanked earlier request of the same kind leaves instead: its
+  right call, written as a call ("calling now({"timezone": "Lisbon"}) was right.");
 - ``hint``: with the same correction as a ``[hint]`` in the user's message
   (what the learner's teacher sees in hindsight distillation).
 
@@ -32,6 +34,7 @@ And the other side of it, on general tasks (which need no preference), two ways:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -49,7 +52,7 @@ from whet.runtime.chat_format import parse_tool_calls
 from whet.world.conversations import NEIGHBOURS, BundledTools
 from whet.world.tasks import PERSONAL, Profile, Task, ToolUse, World, load_profile, make_task
 
-WAYS = ("nothing", "lesson", "hint")
+WAYS = ("nothing", "lesson", "success", "hint")
 GENERAL_WAYS = ("plain", "look-alike")
 
 
@@ -84,6 +87,9 @@ def prompt(way: str, task: Task, earlier: Task) -> list[dict]:
     hint = correction_hint(task.correction or "")
     if way == "lesson":
         system = with_lessons(system, [lesson_text(earlier.text, hint=hint)])
+    elif way == "success":
+        call = {"name": earlier.call.name, "arguments": json.dumps(earlier.call.arguments)}
+        system = with_lessons(system, [lesson_text(earlier.text, calls=[call])])
     messages = [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
     return with_hint(messages, hint) if way == "hint" else messages
 

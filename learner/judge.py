@@ -96,27 +96,33 @@ _CLAUSE = r"(?:^|[,.;:!?]\s*|\b(?:but|no|nope)\s+)"
 CORRECTIONS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), template)
     for pattern, template in (
-        # "No, I meant Lisbon time" -> "The user meant Lisbon time"
-        (r"\bi\s+meant\b[\s,:]*(?P<x>.+)", "The user meant {x}"),
-        # "I said Celsius" -> "The user said Celsius"
-        (r"\bi\s+said\b[\s,:]*(?P<x>.+)", "The user said {x}"),
+        # "No, I meant Lisbon time" -> 'The user meant "Lisbon time"'
+        (r"\bi\s+meant\b[\s,:]*(?P<x>.+)", 'The user meant "{x}"'),
+        # "I said Celsius" -> 'The user said "Celsius"'
+        (r"\bi\s+said\b[\s,:]*(?P<x>.+)", 'The user said "{x}"'),
         # "that's wrong, it is on Friday" / "wrong" / "not helpful"
         (rf"{_CLAUSE}(?:(?:that|this|it)(?:'s|\s+is|\s+was)\s+)?(?:wrong|incorrect|not\s+(?:right|correct"
          r"|it|good|great|helpful|useful|what\s+i\s+(?:wanted|meant|needed)))\b[\s,.;:!-]*(?P<x>.*)",
-         "The user corrected: {x}"),
+         'The user corrected: "{x}"'),
         # "not Paris, Lisbon" / "not Paris but Lisbon" ("not bad, thanks" is praise)
         (rf"{_CLAUSE}not\s+(?!bad\b)(?P<x>[^,]+?)(?:\s*,\s*(?:but\s+)?|\s+but\s+)(?P<y>.+)",
-         "The user wants {y}, not {x}"),
+         'The user wants "{y}", not "{x}"'),
         # "Actually, make it 3pm"
-        (rf"{_CLAUSE}actually\b[\s,:]*(?P<x>.+)", "The user clarified: {x}"),
+        (rf"{_CLAUSE}actually\b[\s,:]*(?P<x>.+)", 'The user clarified: "{x}"'),
         # "No. Use Celsius" (but not "no thanks", which declines an offer)
         (r"^(?:no|nope)\b(?!\s*,?\s*(?:thanks|thank|problem|worries))[\s,.;:!-]+(?P<x>.+)",
-         "The user corrected: {x}"),
+         'The user corrected: "{x}"'),
     )
 )
 """Correction patterns, tried in order on the user's reply (``re.search``); the first that
 matches gives the hint: its template filled with the captured text in the third person. An
-empty capture falls back to the whole reply."""
+empty capture falls back to the whole reply.
+
+The captured words are quoted, so that a value reads in a hint the way it is written in a tool
+call's arguments: tokenized, prose has " Honolulu" (one token, after a space) where a call has
+'"Hon' 'olulu' (after a quote). Beside the unquoted hint the model began a call's value with
+another word's first token ("H"... "Houston", "Se"... "Seychelles"); beside the quoted one it
+copied the value (bench/results/RUNS.md, stop 44)."""
 
 _REQUERY = re.compile(
     r"^(?:again\b|i\s+(?:already\s+)?asked\b|please\s+answer\b|answer\s+(?:the|my)\s+question\b"

@@ -142,7 +142,7 @@ def test_the_latest_feedback_row_wins():
 
 def test_negative_feedback_phrased_as_a_correction_gets_the_correction_hint():
     verdict = _rules(_turn("feedback", {"feedback_id": 3, "score": -1.0, "text": "No, I meant Lisbon time"}))
-    assert (verdict.score, verdict.hint) == (-1, "The user meant Lisbon time")
+    assert (verdict.score, verdict.hint) == (-1, 'The user meant "Lisbon time"')
 
 
 def test_a_feedback_next_state_without_rows_is_read_from_its_data():
@@ -185,23 +185,23 @@ def test_a_tool_result_without_error_is_neutral():
 
 def test_no_i_meant_lisbon_time_becomes_the_hint_the_user_meant_lisbon_time():
     verdict = _rules(_reply("No, I meant Lisbon time"))
-    assert (verdict.score, verdict.hint, verdict.judge) == (-1, "The user meant Lisbon time", "rules")
+    assert (verdict.score, verdict.hint, verdict.judge) == (-1, 'The user meant "Lisbon time"', "rules")
 
 
 @pytest.mark.parametrize(
     ("reply", "hint"),
     [
-        ("no I meant my home in Lisbon.", "The user meant the user's home in Lisbon"),
-        ("I meant Porto", "The user meant Porto"),
-        ("I said Celsius!", "The user said Celsius"),
-        ("Not Paris, Lisbon", "The user wants Lisbon, not Paris"),
-        ("not Paris but Lisbon.", "The user wants Lisbon, not Paris"),
-        ("No, not Paris, Lisbon", "The user wants Lisbon, not Paris"),
-        ("Actually, I'm in Porto.", "The user clarified: the user is in Porto"),
-        ("That's wrong, the meeting is on Friday", "The user corrected: the meeting is on Friday"),
+        ("no I meant my home in Lisbon.", 'The user meant "the user\'s home in Lisbon"'),
+        ("I meant Porto", 'The user meant "Porto"'),
+        ("I said Celsius!", 'The user said "Celsius"'),
+        ("Not Paris, Lisbon", 'The user wants "Lisbon", not "Paris"'),
+        ("not Paris but Lisbon.", 'The user wants "Lisbon", not "Paris"'),
+        ("No, not Paris, Lisbon", 'The user wants "Lisbon", not "Paris"'),
+        ("Actually, I'm in Porto.", 'The user clarified: "the user is in Porto"'),
+        ("That's wrong, the meeting is on Friday", 'The user corrected: "the meeting is on Friday"'),
         ("That\u2019s not right.", "The user said it was wrong: That's not right"),
         ("wrong", "The user said it was wrong: wrong"),
-        ("No. Use Celsius.", "The user corrected: Use Celsius"),
+        ("No. Use Celsius.", 'The user corrected: "Use Celsius"'),
     ],
 )
 def test_a_correction_scores_minus_one_with_a_hint_taken_from_it(reply, hint):
@@ -211,12 +211,12 @@ def test_a_correction_scores_minus_one_with_a_hint_taken_from_it(reply, hint):
 
 def test_a_correction_hint_is_capped():
     hint = correction_hint("I meant " + "very " * 100 + "far")
-    assert hint is not None and len(hint) <= 200 and hint.startswith("The user meant very very")
+    assert hint is not None and len(hint) <= 200 and hint.startswith('The user meant "very very')
 
 
 def test_thanks_followed_by_a_correction_is_a_correction():
     verdict = _rules(_reply("Thanks, but no, I meant Lisbon time"))
-    assert (verdict.score, verdict.hint) == (-1, "The user meant Lisbon time")
+    assert (verdict.score, verdict.hint) == (-1, 'The user meant "Lisbon time"')
 
 
 def test_repeating_the_request_is_a_requery():

@@ -1024,11 +1024,11 @@ async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_st
         await learner.catch_up()
         event = await anext(aiter(events))
     final, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
-    assert (final.score, final.hint) == (-1, "The user meant Lisbon time")
-    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, "The user meant Lisbon time", "credit")
+    assert (final.score, final.hint) == (-1, 'The user meant "Lisbon time"')
+    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, 'The user meant "Lisbon time"', "credit")
     assert tool_step.trainable and final.trainable
     lesson = await store.get_lesson(event.data["lesson_id"])
-    assert lesson.text == 'When asked "What time is it at home?": The user meant Lisbon time'
+    assert lesson.text == 'When asked "What time is it at home?": The user meant "Lisbon time"'
     await bus.aclose()
 
 
@@ -1099,8 +1099,8 @@ async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(t
                                 {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})  # fmt: skip
     await learner.catch_up()
     answer, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
-    assert (answer.score, answer.hint) == (-1, "The user meant Lisbon time")
-    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, "The user meant Lisbon time", "credit")
+    assert (answer.score, answer.hint) == (-1, 'The user meant "Lisbon time"')
+    assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, 'The user meant "Lisbon time"', "credit")
     assert "returned an error" in tool_step.reason and tool_step.trainable
     await bus.aclose()
 
@@ -1227,9 +1227,9 @@ async def exercise_nul_correction(tmp_path, store: Store) -> None:
     turn_id = await closed_answer(experience, store, "It is 10:00 in Paris.", "No, I meant Lis\x00bon time")
     await learner.catch_up()
     verdict = await store.get_judgment(turn_id)
-    assert verdict.score == -1 and verdict.hint == "The user meant Lis\x00bon time"
+    assert verdict.score == -1 and verdict.hint == 'The user meant "Lis\x00bon time"'
     assert [lesson.text for lesson in await store.list_lessons("alice")] == [
-        'When asked "What time is it at home?": The user meant Lis\x00bon time'
+        'When asked "What time is it at home?": The user meant "Lis\x00bon time"'
     ]
     assert (await learner.status())["busy"] is False
     await bus.aclose()

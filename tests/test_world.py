@@ -134,7 +134,7 @@ def test_the_simulated_user_thanks_when_served_right_and_corrects_when_wrong():
     wrong = [user.reply(task, "It is 10:15 on Friday in Tokyo.") for _ in range(40)]
     assert "No, I meant Lisbon time." in wrong
     assert all(_score(r, task.text) == -1 for r in wrong)
-    assert correction_hint("No, I meant Lisbon time.") == "The user meant Lisbon time"
+    assert correction_hint("No, I meant Lisbon time.") == 'The user meant "Lisbon time"'
 
 
 def test_the_simulated_user_does_not_take_an_error_message_as_an_answer_whatever_it_names():
