@@ -26,7 +26,7 @@ import numpy as np
 from whet.config.settings import AgentConfig
 from whet.learner.gate import PinnedTurn
 from whet.learner.prompt import last_user_text, prompt_with_lessons
-from whet.memory.index import LessonHit, LessonIndex, agent_shown, lesson_key
+from whet.memory.index import LessonHit, LessonIndex, agent_shown
 
 # (user id, messages, tools, max new tokens) -> the served model's greedy reply, tool-call markup included
 Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
@@ -63,12 +63,11 @@ class LessonCheck:
         return broken
 
     def _scores(self, text: str) -> np.ndarray:
-        """Cosine similarity of ``text`` (by its :func:`lesson_key`) to each pinned request, as the index
-        scores a search."""
-        embedder = self.index.embedder
+        """Cosine similarity of lesson ``text``, as the index stores it, to each pinned request, as the
+        index scores a search."""
         if self._vectors is None:
-            self._vectors = embedder.embed(self._requests)  # [n, d], unit rows
-        return self._vectors @ embedder.embed([lesson_key(text)])[0]  # [n]
+            self._vectors = self.index.embedder.embed(self._requests)  # [n, d], unit rows
+        return self._vectors @ self.index.lesson_vectors([text])[0]  # [n]
 
     async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
         """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent

@@ -308,7 +308,7 @@ class LessonIndex:
         if not latest:
             return
         ids = np.fromiter(latest, dtype=np.int64, count=len(latest))  # [n]
-        vectors = self._embed([lesson_key(text) for _, text in latest.values()])  # [n, dim]
+        vectors = self.lesson_vectors([text for _, text in latest.values()])  # [n, dim]
         owners = [user_id for user_id, _ in latest.values()]
         with self._lock:
             self._drop(ids)
@@ -398,6 +398,10 @@ class LessonIndex:
         fresh.add_many(items)
         with self._lock:
             self._shelves, self._lessons = fresh._shelves, fresh._lessons
+
+    def lesson_vectors(self, texts: list[str]) -> np.ndarray:
+        """Lesson ``texts`` embedded as the index stores them (by :func:`lesson_key`): ``[n, dim]``, unit rows."""
+        return self._embed([lesson_key(text) for text in texts])
 
     def _embed(self, texts: list[str]) -> np.ndarray:
         vectors = np.ascontiguousarray(self.embedder.embed(texts), dtype=np.float32)
