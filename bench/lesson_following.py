@@ -34,7 +34,6 @@ And the other side of it, on general tasks (which need no preference), two ways:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from whet.learner.lessons import lesson_text
 from whet.learner.model import DEFAULT_MODEL, model_dir
 from whet.learner.prompt import prompt_text, with_hint, with_lessons
 from whet.runtime.chat_format import parse_tool_calls
-from whet.world.conversations import NEIGHBOURS, BundledTools
+from whet.world.conversations import NEIGHBOURS, BundledTools, success_lesson
 from whet.world.tasks import PERSONAL, Profile, Task, ToolUse, World, load_profile, make_task
 
 WAYS = ("nothing", "lesson", "success", "hint")
@@ -88,8 +87,7 @@ def prompt(way: str, task: Task, earlier: Task) -> list[dict]:
     if way == "lesson":
         system = with_lessons(system, [lesson_text(earlier.text, hint=hint)])
     elif way == "success":
-        call = {"name": earlier.call.name, "arguments": json.dumps(earlier.call.arguments)}
-        system = with_lessons(system, [lesson_text(earlier.text, calls=[call])])
+        system = with_lessons(system, [success_lesson(earlier)])
     messages = [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
     return with_hint(messages, hint) if way == "hint" else messages
 

@@ -240,6 +240,12 @@ def random_profile(rng: random.Random, vocab: Vocabulary) -> Profile:
     )
 
 
+def success_lesson(task: Task) -> str:
+    """The lesson a thanked request leaves, as the learner writes it: ``task``'s right call."""
+    call = {"name": task.call.name, "arguments": json.dumps(dict(task.call.arguments))}
+    return lesson_text(task.text, calls=[call])
+
+
 def answer_for(task: Task, call: ToolUse, result: str) -> str:
     """The final answer a careful assistant gives after the tool's result."""
     if result.startswith("error:"):
@@ -293,8 +299,7 @@ class ExampleMaker:
         """A lesson as the learner writes it, from another request of the same intent and value."""
         if task.correction and self.rng.random() < 0.6:
             return lesson_text(task.text, hint=correction_hint(task.correction))
-        call = {"name": task.call.name, "arguments": json.dumps(dict(task.call.arguments))}
-        return lesson_text(task.text, calls=[call])
+        return success_lesson(task)
 
     def _distractors(self, n: int, avoid: Task | None, near: Task | None = None) -> list[str]:
         """``n`` lessons that do not answer ``avoid``'s request. Beside ``near``, most are of the
