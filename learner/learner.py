@@ -37,7 +37,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,10 +71,18 @@ from whet.learner.judge import (
     correction_hint,
 )
 from whet.learner.lesson_check import Generate, LessonCheck
-from whet.learner.lessons import ignores_correction, lesson_for
+from whet.learner.lessons import argument_values, ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
-from whet.learner.prompt import TOOL_CALL_OPEN, call_opening, hinted_prompt_ids, last_user_text, relessoned
+from whet.learner.prompt import (
+    TOOL_CALL_OPEN,
+    call_opening,
+    hinted_prompt_ids,
+    last_user_text,
+    parse_arguments,
+    relessoned,
+    split_tool_calls,
+)
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import (
     Anchor,
@@ -150,9 +158,13 @@ class Learner:
         self._rehearsal_loader = rehearsal
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
+        self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
+        # the same for the last candidate, as it was read after its step (its greedy checks not yet
+        # held to the base model's): the live version's when the gate promotes it
+        self._regression_candidate: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
         self._kept_by_base: list[bool] | None = None  # the pinned turns the base model answers as pinned
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
@@ -456,6 +468,7 @@ class Learner:
             if self._rehearsal_loader is not None:
                 self._rehearsal = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer))
                 self._rehearsal_tools = [_called(self._trainer.tokenizer, r) for _, r in self._rehearsal]
+                self._rehearsal_values = [_called_values(self._trainer.tokenizer, r) for _, r in self._rehearsal]
         return self._trainer
 
     def _step_limited(self, *args: Any) -> dict[str, Any]:
@@ -490,7 +503,9 @@ class Learner:
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
-        rehearsal = self._rehearsal_for(version, called)
+        passed = {v for _, t in turns for c in t.tool_calls
+                  for v in call_values(parse_arguments(c.get("function", {}).get("arguments")))}  # fmt: skip
+        rehearsal = self._rehearsal_for(version, called, passed)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
                                  self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal))  # fmt: skip
@@ -501,7 +516,8 @@ class Learner:
             after = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_after = trainer.mean_logprobs(regression)
         with clock("pinned_after"):
-            kept_after, _ = self._kept(trainer, regression, live_replies)
+            kept_after, replies_after = self._kept(trainer, regression, live_replies)
+        self._regression_candidate = (version, reg_after, kept_after, replies_after)
         self._hook("after_step")
         state = {
             "version": version,
@@ -534,8 +550,9 @@ class Learner:
         self._hook("after_save")
         return state
 
-    def _rehearsal_for(self, version: str, tools: set[str]) -> list[tuple[list[int], list[int]]]:
-        picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version)
+    def _rehearsal_for(self, version: str, tools: set[str], passed: set[str]) -> list[tuple[list[int], list[int]]]:
+        values = self._rehearsal_values if len(self._rehearsal_values) == len(self._rehearsal_tools) else None
+        picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version, values, passed)
         return [self._rehearsal[i] for i in picked]
 
     def _anchor(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> Anchor | None:
@@ -591,6 +608,11 @@ class Learner:
         14C on the train." answered in words); a promoted step that happened to get it right made every
         later candidate that tipped it back a "loss", and the gate turned away 8 steps in a row for it."""
         if self._regression_live is None or self._regression_live[0] != live:
+            candidate = self._regression_candidate
+            if candidate is not None and live is not None and candidate[0] == live and len(candidate[1]) == len(regression):
+                # promoted: read after its step, with these very weights (saved in full precision)
+                self._regression_live = candidate[0], candidate[1], self._held_to_base(candidate[2]), candidate[3]
+                return self._regression_live[1:]
             # the version before's replies are the likeliest guesses; the pinned replies the first time
             guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
             kept, replies = self._kept(trainer, regression, guesses)
@@ -599,10 +621,15 @@ class Learner:
             elif self._kept_by_base is None:
                 with trainer.model.disable_adapter():
                     self._kept_by_base = self._surely_kept(trainer, regression, *self._kept(trainer, regression, guesses))
-            if len(self._kept_by_base) == len(kept):
-                kept = [k and base for k, base in zip(kept, self._kept_by_base, strict=True)]
-            self._regression_live = (live, trainer.mean_logprobs(regression), kept, replies)
+            self._regression_live = (live, trainer.mean_logprobs(regression), self._held_to_base(kept), replies)
         return self._regression_live[1:]
+
+    def _held_to_base(self, kept: list[bool]) -> list[bool]:
+        """``kept`` (a version's greedy checks of the pinned turns) counting only the turns the base model
+        keeps too (:meth:`_regression_before`)."""
+        if self._kept_by_base is None or len(self._kept_by_base) != len(kept):
+            return kept
+        return [k and base for k, base in zip(kept, self._kept_by_base, strict=True)]
 
     def _surely_kept(self, trainer: LoraTrainer, regression: list[tuple[list[int], list[int]]], kept: list[bool],
                      replies: list[list[int]]) -> list[bool]:  # fmt: skip
@@ -757,23 +784,53 @@ def answers_correction(turn: Turn) -> bool:
     return turn.step == 0 and correction_hint(last_user_text(turn.prompt_messages)) is not None
 
 
-def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str) -> list[int]:
+def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
+                   values: list[set[str]] | None = None, passed: set[str] = frozenset()) -> list[int]:  # fmt: skip
     """Which rehearsal items (each given as the tools it calls) a step whose batch called ``tools``
     rehearses: ``n`` of them. A third (where there are such) are calls of those same tools, what a
     batch that teaches one user's value for a tool is most likely to disturb (the same tool called
     with the value a request names); a third are small talk (no tool), what a batch made only of
     calls pushes towards a call (run M's gate rejected 8 of 10 weights-arm steps for a tool called
     on "Hello!"); the rest are drawn from all. Seeded (by the version's name), so a step redone
-    after a crash draws the same."""
+    after a crash draws the same.
+
+    ``values`` (the text values each item's calls pass) and ``passed`` (those the batch's calls
+    passed): the same-tool third comes first from items that pass one of the batch's values, one
+    for each such value in turn, so that a value few items pass is not crowded out. They
+    are the contrast a user's preference needs: a batch teaching that "How hot is 12 °C?" means
+    kelvin called ``convert(from_unit="celsius", ...)``, and "Convert 12 celsius to fahrenheit."
+    keeps the unit a request names (run BH's steps learnt kelvin and lost that pinned turn)."""
     rng = random.Random(seed)
     n = min(n, len(items))
     same = [i for i, called in enumerate(items) if called & tools]
     talk = [i for i, called in enumerate(items) if not called]
-    picked = rng.sample(same, min(len(same), n // 3))
+    k = min(len(same), n // 3)
+    # one item for each value the batch passed that some item passes too, in turns, then any
+    pools = [pool for v in sorted(passed) if (pool := [i for i in same if values and v in values[i]])]
+    rng.shuffle(pools)
+    picked: list[int] = []
+    while len(picked) < k and pools:
+        pools = [left for pool in pools if (left := [i for i in pool if i not in picked])]
+        for pool in pools[: k - len(picked)]:
+            if (i := rng.choice(pool)) not in picked:
+                picked.append(i)
+    taken = set(picked)
+    picked += rng.sample([i for i in same if i not in taken], k - len(picked))
     picked += rng.sample(talk, min(len(talk), n // 3))
     taken = set(picked)
     rest = [i for i in range(len(items)) if i not in taken]
     return picked + rng.sample(rest, n - len(picked))
+
+
+_NUMBER = re.compile(r"[-+]?[\d.,]+")
+
+
+def call_values(arguments: Any) -> set[str]:
+    """The text values of a call's ``arguments`` (a dict; anything else has none), casefolded: what a
+    call names ("celsius", "Honolulu", "work"). Numbers are left out: every sum and date has them."""
+    if not isinstance(arguments, Mapping):
+        return set()
+    return {v.strip().casefold() for v in argument_values(arguments) if v.strip() and not _NUMBER.fullmatch(v.strip())}
 
 
 _CALLED = re.compile(r'"name":\s*"([^"]+)"')
@@ -783,6 +840,12 @@ def _called(tokenizer: Any, response: list[int]) -> set[str]:
     """The tools a rehearsal reply calls (none for small talk)."""
     text = tokenizer.decode(response)
     return set(_CALLED.findall(text)) if TOOL_CALL_OPEN in text else set()
+
+
+def _called_values(tokenizer: Any, response: list[int]) -> set[str]:
+    """The text values a rehearsal reply's calls pass (:func:`call_values`)."""
+    _, calls, _ = split_tool_calls(tokenizer.decode(response))
+    return {v for _, arguments in calls for v in call_values(arguments)}
 
 
 def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]],

@@ -66,7 +66,7 @@ def ignores_correction(turn: Turn) -> bool:
         return False
     named = _words(asks[-1]) - _words(_asked(asks))
     arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
-    carried = {w for a in arguments if isinstance(a, dict) for value in _values(a) for w in _words(value)}
+    carried = {w for a in arguments if isinstance(a, dict) for value in argument_values(a) for w in _words(value)}
     return bool(named) and not named & carried
 
 
@@ -75,14 +75,14 @@ def _words(text: str) -> set[str]:
     return {w for w in re.findall(r"\w+", text.casefold()) if len(w) >= 3 or w.isdigit()}
 
 
-def _values(arguments: Any) -> Iterator[str]:
+def argument_values(arguments: Any) -> Iterator[str]:
     """Every value in a call's arguments (not the keys), as text."""
     if isinstance(arguments, Mapping):
         for value in arguments.values():
-            yield from _values(value)
+            yield from argument_values(value)
     elif isinstance(arguments, list):
         for value in arguments:
-            yield from _values(value)
+            yield from argument_values(value)
     elif arguments is not None:
         yield str(arguments)
 

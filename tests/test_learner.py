@@ -209,6 +209,26 @@ def test_a_step_rehearses_calls_of_the_tools_its_batch_called():
     assert len(rehearsal_draw(items, 20, set(), "v")) == len(items)
 
 
+def test_a_step_rehearses_first_the_calls_that_pass_a_value_its_batch_passed():
+    """A batch that taught "How hot is 12 °C?" to mean kelvin passed ``celsius``: the draw's same-tool third
+    takes the rehearsal calls that pass it too ("Convert 12 celsius to fahrenheit."), the contrast that
+    keeps a unit the request names, and a value many items pass does not crowd out one that few do."""
+    from whet.learner.learner import call_values, rehearsal_draw
+
+    assert call_values({"value": 12, "from_unit": "Celsius", "to_unit": "kelvin", "n": "3.5"}) == {"celsius", "kelvin"}
+    assert call_values("not valid JSON") == set()
+    items = [{"convert"}] * 6 + [set()] * 6 + [{"add_note"}] * 10
+    values = [{"km", "miles"}, {"celsius", "fahrenheit"}, {"kg", "pounds"}, {"fahrenheit", "celsius"}, {"cup", "ml"},
+              {"gb", "mb"}, *[set()] * 6, *[{"todo", "work"}] * 10]  # fmt: skip
+    for seed in ("global-0001", "global-0002", "global-0003"):
+        picked = rehearsal_draw(items, 12, {"convert", "add_note"}, seed, values, {"celsius", "kelvin", "todo"})
+        assert len(picked) == len(set(picked)) == 12
+        assert {1, 3} <= set(picked[:4])  # both calls that pass celsius, among the same-tool third
+        assert any(i >= 12 for i in picked[:4])  # and one that passes todo
+    # without values the draw is the one it always was
+    assert rehearsal_draw(items, 12, {"convert"}, "v") == rehearsal_draw(items, 12, {"convert"}, "v", None, {"celsius"})
+
+
 def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(
         tiny_model, tmp_path):  # fmt: skip
     """``lora.optimizer: sgd``: one pass changes every LoRA weight by ``lr`` times its (clipped) gradient, so
@@ -908,6 +928,34 @@ async def test_the_gate_rejects_a_candidate_whose_greedy_reply_breaks_a_pinned_t
         assert gate["regression_actions_kept"] == [1, 0] and gate["regression_actions_lost"] == 1
     else:
         assert gate["regression_actions_kept"] is None
+
+
+@pytest.mark.anyio
+async def test_a_promoted_candidate_is_not_replayed_again_as_the_live_version(hello_policy, tmp_path, store):
+    """The regression set's log-probs and greedy checks read after a step, with the candidate's weights, are the
+    live version's once the gate promotes it: the next step reuses them (a replay of every pinned turn saved)
+    and they are what a fresh replay of the saved adapter reads."""
+    policy, chat = hello_policy
+    config = learner_config(batch_size=2, gate={"holdout_fraction": 0.0, "regression_tolerance": 100.0,
+                                                "regression_actions_lost": 100})  # fmt: skip
+    encoder = new_trainer(policy)
+    regression = [encode_turn(encoder, "Say hello.", "Hello!")[1:], encode_turn(encoder, "Say hi.", "Hi!")[1:]]
+    learner = make_learner(config, store, MemoryBus(), policy, tmp_path / "adapters",
+                           regression=lambda tokenizer: regression,
+                           pinned=[PinnedAction.of({"messages": chat, "response": "Hello!"})] * 2)  # fmt: skip
+    for _ in range(2):
+        await judged_turn(store, encoder, "Say hello.", "Hello there!", 1, "train")
+    [version] = await learner.train_ready()
+    live = await store.live_adapter("global", None)
+    assert live is not None and live.id == version
+    trainer = learner._trainer_now()
+    trainer.reset(Path(live.path))
+    reused = learner._regression_before(trainer, version, regression)
+    assert learner._regression_candidate is not None and reused[0] is learner._regression_candidate[1]
+    learner._regression_candidate = learner._regression_live = None
+    fresh = learner._regression_before(trainer, version, regression)
+    assert reused[0] == pytest.approx(fresh[0], abs=1e-5)
+    assert reused[1:] == fresh[1:]
 
 
 class Crash(Exception):
