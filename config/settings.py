@@ -300,6 +300,11 @@ class LoraConfig(Section):
     # proportion to its gradient; its learning rate is on another scale (about 1000x AdamW's)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: float = Field(0.0, ge=0.0)
+    # a step from a live version continues its AdamW state; false: without its first moment (the running
+    # mean of the gradients, which keeps pushing the way the version before was taught for the next step's
+    # first updates: run BN's steps 3 and 4, two samples about dates and a reminder each, turned pinned
+    # "Convert 40 celsius to fahrenheit." to kelvin, step 2's lesson), keeping its second (each weight's scale)
+    carry_momentum: bool = True
     max_grad_norm: float = Field(1.0, gt=0.0)
     # optimizer passes over each batch (the hinted teacher's side is computed once): few
     # interactions give few batches, and one pass over each moves an adapter little

@@ -150,6 +150,10 @@ class LoraTrainer:
             # a version another optimizer made (learner.lora.optimizer changed): this one starts afresh
             if set(state["param_groups"][0]) == set(self.optimizer.state_dict()["param_groups"][0]):
                 self.optimizer.load_state_dict(state)
+                if not self.lora.carry_momentum:
+                    for kept in self.optimizer.state.values():
+                        if "exp_avg" in kept:
+                            kept["exp_avg"].zero_()
 
     def save(self, out_dir: Path) -> None:
         """Write the adapter (peft safetensors format) and the optimizer state into ``out_dir``."""

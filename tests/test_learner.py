@@ -377,6 +377,24 @@ def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
         check_config(config, standalone=False)
 
 
+def test_a_step_from_a_saved_version_drops_its_momentum_when_told(tiny_model, tmp_path):
+    """``lora.carry_momentum: false``: AdamW's running mean of gradients starts at zero again, its running scale
+    and step count carry on; by default both carry on."""
+    trainer = new_trainer(tiny_model)
+    trainer.step([sample(trainer, "t1", "Hello?", "Hi there.", 1)], baseline=0.0)
+    trainer.save(tmp_path / "v1")
+    saved = trainer.optimizer.state_dict()["state"]
+    for carry in (True, False):
+        again = new_trainer(tiny_model, lora=LORA.model_copy(update={"carry_momentum": carry}))
+        again.reset(tmp_path / "v1")
+        state = again.optimizer.state_dict()["state"]
+        assert state.keys() == saved.keys()
+        for k in saved:
+            assert torch.equal(state[k]["exp_avg_sq"], saved[k]["exp_avg_sq"]) and state[k]["step"] == saved[k]["step"]
+            assert torch.equal(state[k]["exp_avg"], saved[k]["exp_avg"] if carry else torch.zeros_like(saved[k]["exp_avg"]))
+    assert any(saved[k]["exp_avg"].any() for k in saved)  # there was a momentum to drop
+
+
 def test_the_adapter_round_trips_through_save_and_load(tiny_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
