@@ -26,7 +26,12 @@ And the other side of it, on general tasks (which need no preference), two ways:
   home beside "What time is it in Cairo?", the reminders list beside "Add X to my work
   list"): a policy that copies whatever a lesson says loses general skill here.
 
-    python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--general N] [--seed S]
+With ``--pinned``, also what the learner's lesson check sees: each of the user's personal lessons
+(one per kind, a hint as the learner writes it) beside each of the gate's pinned general calls of the
+same tool that the policy gets right alone (``config/regression.jsonl``); a pinned call lost with the
+lesson is one that lesson breaks, and the check would hold the lesson back.
+
+    python bench/lesson_following.py [--model DIR] [--profile FILE] [--tasks N] [--general N] [--seed S] [--pinned]
 
 ``--model`` defaults to the default model (``smollm2``) in the default data directory.
 """
@@ -43,10 +48,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whet.config.settings import AgentConfig, load_config
+from whet.learner.gate import pinned_turns, read_records
 from whet.learner.judge import correction_hint
+from whet.learner.learner import regression_path
 from whet.learner.lessons import lesson_text
 from whet.learner.model import DEFAULT_MODEL, model_dir
-from whet.learner.prompt import prompt_text, with_hint, with_lessons
+from whet.learner.prompt import prompt_text, prompt_with_lessons, with_hint, with_lessons
 from whet.runtime.chat_format import parse_tool_calls
 from whet.world.conversations import NEIGHBOURS, BundledTools, success_lesson
 from whet.world.tasks import PERSONAL, Profile, Task, ToolUse, World, load_profile, make_task
@@ -101,6 +108,25 @@ def lookalike_prompt(task: Task, profile: Profile, rng: random.Random) -> list[d
     return [{"role": "system", "content": system}, {"role": "user", "content": task.text}]
 
 
+def pinned_copies(policy: Policy, profile: Profile, rng: random.Random) -> tuple[int, int, list[str]]:
+    """(broken, checked, what each broken one answered): the gate's pinned general calls the policy keeps
+    alone, each beside each of ``profile``'s personal lessons that calls the same tool."""
+    system = AgentConfig().system_prompt
+    pinned = [t for t in pinned_turns(read_records(regression_path("bundled"))) if t.action.calls]
+    pinned = [t for t in pinned if t.action.kept(policy._generate(prompt_with_lessons(t.messages, [], system)))]
+    broken, checked, seen = 0, 0, []
+    for intent in PERSONAL:
+        earlier = make_task(intent, rng, profile)
+        lesson = lesson_text(earlier.text, hint=correction_hint(earlier.correction or ""))
+        for turn in (t for t in pinned if t.action.calls[0][0] == earlier.call.name):
+            checked += 1
+            reply = policy._generate(prompt_with_lessons(turn.messages, [lesson], system))
+            if not turn.action.kept(reply):
+                broken += 1
+                seen.append(f"{turn.messages[-1]['content']} -> {reply.strip()} (beside {lesson})")
+    return broken, checked, seen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the default model in the data dir)")
@@ -108,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=20)
     parser.add_argument("--general", type=int, default=16, help="general tasks, plain and beside look-alike lessons")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pinned", action="store_true", help="also the gate's pinned calls beside personal lessons")
     args = parser.parse_args(argv)
     folder = args.model or model_dir(load_config().data_path, DEFAULT_MODEL)
     if not (folder / "config.json").is_file():
@@ -135,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                       ("look-alike", lookalike_prompt(task, profile, rng))):  # fmt: skip
                     calls, answer = policy.solve(messages)
                     kept[way] += task.check(calls, answer)
+            pinned = pinned_copies(policy, profile, rng) if args.pinned else None
         finally:
             tools.close()
     print(f"model {folder}, profile {profile.name}, seed {args.seed}, {len(tasks)} held-out personal tasks")
@@ -144,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(general)} general tasks")
     for way in GENERAL_WAYS:
         print(f"  {way:10s} {kept[way]:3d}/{len(general)}  {kept[way] / max(1, len(general)):.2f}")
+    if pinned is not None:
+        broken, checked, seen = pinned
+        print(f"pinned general calls broken by a personal lesson beside them: {broken}/{checked}")
+        for line in seen:
+            print("  " + line.replace("\n", " "))
     print("command: python bench/lesson_following.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
