@@ -799,7 +799,9 @@ def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
     for each such value in turn, so that a value few items pass is not crowded out. They
     are the contrast a user's preference needs: a batch teaching that "How hot is 12 °C?" means
     kelvin called ``convert(from_unit="celsius", ...)``, and "Convert 12 celsius to fahrenheit."
-    keeps the unit a request names (run BH's steps learnt kelvin and lost that pinned turn)."""
+    keeps the unit a request names (run BH's steps learnt kelvin and lost that pinned turn). Alone it
+    did not keep it: in run BN the turn was lost to the momentum a step carries from the version
+    before (``learner.lora.carry_momentum``)."""
     rng = random.Random(seed)
     n = min(n, len(items))
     same = [i for i, called in enumerate(items) if called & tools]
