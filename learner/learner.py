@@ -164,7 +164,7 @@ class Learner:
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
         # the same for the last candidate, as it was read after its step (its greedy checks not yet
         # held to the base model's): the live version's when the gate promotes it
-        self._regression_candidate: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
+        self._regression_candidate: tuple[str, list[float], list[bool], list[list[int]]] | None = None
         self._kept_by_base: list[bool] | None = None  # the pinned turns the base model answers as pinned
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
@@ -551,8 +551,8 @@ class Learner:
         return state
 
     def _rehearsal_for(self, version: str, tools: set[str], passed: set[str]) -> list[tuple[list[int], list[int]]]:
-        values = self._rehearsal_values if len(self._rehearsal_values) == len(self._rehearsal_tools) else None
-        picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version, values, passed)
+        picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version,
+                                self._rehearsal_values, passed)  # fmt: skip
         return [self._rehearsal[i] for i in picked]
 
     def _anchor(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> Anchor | None:
@@ -609,7 +609,7 @@ class Learner:
         later candidate that tipped it back a "loss", and the gate turned away 8 steps in a row for it."""
         if self._regression_live is None or self._regression_live[0] != live:
             candidate = self._regression_candidate
-            if candidate is not None and live is not None and candidate[0] == live and len(candidate[1]) == len(regression):
+            if candidate is not None and candidate[0] == live:
                 # promoted: read after its step, with these very weights (saved in full precision)
                 self._regression_live = candidate[0], candidate[1], self._held_to_base(candidate[2]), candidate[3]
                 return self._regression_live[1:]

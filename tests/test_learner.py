@@ -309,6 +309,7 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
     chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."), ("Ok.", "Ok!"))]
     learner._rehearsal = [*chats, (chats[0][0], call)]
     learner._rehearsal_tools = [set(), set(), set(), {"add_note"}]
+    learner._rehearsal_values = [set(), set(), set(), {"x"}]
     odds = [0.3, -1.2, -1.6]  # the first two within 1.5 nats of a call; each repair pass mends the nearest
     asked, mended = [], []
 
@@ -344,6 +345,7 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
     chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."))]
     learner._rehearsal = [*chats, (chats[0][0], call)]
     learner._rehearsal_tools = [set(), set(), {"now"}]
+    learner._rehearsal_values = [set(), set(), set()]
     for q in QUESTIONS:
         await judged_turn(store, new_trainer(tiny_model), q, GOOD, +1, "train")
     await learner.train_ready()
