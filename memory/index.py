@@ -22,7 +22,7 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import anyio.to_thread
 import faiss
@@ -177,16 +177,21 @@ class LessonHit:
     user_id: str
     text: str
     score: float
+    # the similarity this lesson needs to be shown at all, when the lesson check narrowed it
+    # (:attr:`~whet.memory.tables.Lesson.min_score`); None: only the agent's floor
+    min_score: float | None = None
 
 
 def shown(hits: Sequence[LessonHit], *, min_score: float, margin: float, token_budget: int) -> list[LessonHit]:
     """The hits a prompt shows (``hits`` best first, as :meth:`LessonIndex.search` gives them): those at
-    least ``min_score`` similar to the request and no more than ``margin`` below the closest, while
-    their text fits ``token_budget`` (about four characters a token). The agent's rule, and the
-    lesson check's (which asks what a prompt would show with a lesson not yet added)."""
+    least ``min_score`` similar to the request (and at least their own ``min_score``, where the lesson
+    check narrowed one) and no more than ``margin`` below the closest of those, while their text fits
+    ``token_budget`` (about four characters a token). The agent's rule, and the lesson check's (which
+    asks what a prompt would show with a lesson not yet added)."""
+    hits = [hit for hit in hits if hit.score >= max(min_score, hit.min_score or min_score)]
     if not hits:
         return []
-    chosen, floor = [], max(min_score, hits[0].score - margin)
+    chosen, floor = [], hits[0].score - margin
     for hit in hits:
         cost = len(hit.text) // 4 + 1
         if hit.score < floor or cost > token_budget:
@@ -275,6 +280,17 @@ def _trained_ivf(vectors: np.ndarray, ids: np.ndarray) -> faiss.IndexIVFFlat:
     return index
 
 
+class _Indexed(NamedTuple):
+    user_id: str
+    text: str
+    min_score: float | None
+
+
+def index_items(lessons: Iterable[Lesson]) -> list[tuple[int, str, str, float | None]]:
+    """Stored ``lessons`` as :meth:`LessonIndex.add_many` takes them."""
+    return [(lesson.id, lesson.user_id, lesson.text, lesson.min_score) for lesson in lessons if lesson.id is not None]
+
+
 class LessonIndex:
     """Per-user nearest-lesson search: each user's lessons in an index of their own (``_Shelf``), so
     a search reads only the asking user's, exactly while they are few and through an IVF index once
@@ -288,28 +304,29 @@ class LessonIndex:
         self.approximate_from = approximate_from
         self._lock = threading.Lock()
         self._shelves: dict[str, _Shelf] = {}
-        self._lessons: dict[int, tuple[str, str]] = {}  # lesson id -> (user id, text)
+        self._lessons: dict[int, _Indexed] = {}  # lesson id -> (user id, text, min_score)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._lessons)
 
-    def add(self, lesson_id: int, user_id: str, text: str) -> None:
-        """Index one lesson. Idempotent: the same lesson again does nothing (not even embed it);
-        an id that comes back with another user or text is replaced."""
-        self.add_many([(lesson_id, user_id, text)])
+    def add(self, lesson_id: int, user_id: str, text: str, min_score: float | None = None) -> None:
+        """Index one lesson (``min_score``: the similarity it needs to be shown, where the lesson check
+        narrowed it). Idempotent: the same lesson again does nothing (not even embed it); an id that
+        comes back with another user, text or floor is replaced."""
+        self.add_many([(lesson_id, user_id, text, min_score)])
 
-    def add_many(self, items: Iterable[tuple[int, str, str]]) -> None:
-        """Index ``(lesson_id, user_id, text)`` triples; as :meth:`add`, for many at once."""
-        latest = {int(lesson_id): (user_id, text) for lesson_id, user_id, text in items}
+    def add_many(self, items: Iterable[tuple[int, str, str] | tuple[int, str, str, float | None]]) -> None:
+        """Index ``(lesson_id, user_id, text)`` triples, or ``(..., min_score)``; as :meth:`add`, for many at once."""
+        latest = {int(item[0]): _Indexed(item[1], item[2], item[3] if len(item) > 3 else None) for item in items}
         with self._lock:
             # a lesson may arrive twice (a repeated event, then the poll): skip what is already indexed
             latest = {i: lesson for i, lesson in latest.items() if self._lessons.get(i) != lesson}
         if not latest:
             return
         ids = np.fromiter(latest, dtype=np.int64, count=len(latest))  # [n]
-        vectors = self.lesson_vectors([text for _, text in latest.values()])  # [n, dim]
-        owners = [user_id for user_id, _ in latest.values()]
+        vectors = self.lesson_vectors([lesson.text for lesson in latest.values()])  # [n, dim]
+        owners = [lesson.user_id for lesson in latest.values()]
         with self._lock:
             self._drop(ids)
             for user_id in dict.fromkeys(owners):
@@ -360,9 +377,9 @@ class LessonIndex:
             scores, ids = shelf.search(vector, k)  # [1, k] each
             hits = []
             for score, lesson_id in zip(scores[0], ids[0], strict=True):
-                owner, text = self._lessons.get(int(lesson_id), (None, ""))
-                if owner == user_id:  # -1 (no result) and any mismatch are dropped
-                    hits.append(LessonHit(int(lesson_id), user_id, text, float(score)))
+                lesson = self._lessons.get(int(lesson_id))
+                if lesson is not None and lesson.user_id == user_id:  # -1 (no result) and any mismatch are dropped
+                    hits.append(LessonHit(int(lesson_id), user_id, lesson.text, float(score), lesson.min_score))
             return hits
 
     def ids(self) -> set[int]:
@@ -393,9 +410,8 @@ class LessonIndex:
 
     def rebuild(self, lessons: Iterable[Lesson]) -> None:
         """Replace the whole index with ``lessons`` (from the store, at start)."""
-        items = [(lesson.id, lesson.user_id, lesson.text) for lesson in lessons if lesson.id is not None]
         fresh = LessonIndex(self.embedder, self.approximate_from)
-        fresh.add_many(items)
+        fresh.add_many(index_items(lessons))
         with self._lock:
             self._shelves, self._lessons = fresh._shelves, fresh._lessons
 
@@ -417,7 +433,7 @@ class LessonIndex:
         present: dict[str, list[int]] = {}
         for lesson_id in (int(i) for i in ids):
             if lesson_id in self._lessons:
-                user_id, _ = self._lessons.pop(lesson_id)
+                user_id = self._lessons.pop(lesson_id).user_id
                 present.setdefault(user_id, []).append(lesson_id)
         for user_id, own in present.items():
             shelf = self._shelves[user_id]

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Engine, bindparam, event, func, insert, or_, update
+from sqlalchemy import Engine, bindparam, event, func, insert, inspect, or_, update
 from sqlalchemy import delete as sa_delete
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, OperationalError
@@ -97,7 +98,25 @@ def open_store(url: str, sqlite_sync: str = "normal") -> Store:
         raise ValueError(f"sqlite_sync must be 'normal' or 'full', not {sqlite_sync!r}")
     engine = _create_engine(_parse_url(url), sqlite_sync)
     SQLModel.metadata.create_all(engine, tables=TABLES)
+    _add_new_columns(engine)
     return Store(engine)
+
+
+def _add_new_columns(engine: Engine) -> None:
+    """Add the columns a newer whet gave an existing table (``create_all`` makes only missing tables).
+    Only nullable columns are ever added after a release, so an old row reads as NULL there."""
+    inspector = inspect(engine)
+    with engine.begin() as db:
+        for table in TABLES:
+            have = {column["name"] for column in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have:
+                    continue
+                if not column.nullable or column.primary_key:
+                    raise RuntimeError(f"the store's table {table.name} lacks column {column.name}, which cannot be "
+                                       "added to existing rows: move the old store aside or delete it")
+                kind = column.type.compile(dialect=engine.dialect)
+                db.execute(sql_text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))
 
 
 def _parse_url(url: str) -> URL:
@@ -407,13 +426,14 @@ class Store:
     # ---- lessons
 
     async def add_lesson(
-        self, user_id: str, text: str, *, kind: str = "hint", source_turn_id: str | None = None
+        self, user_id: str, text: str, *, kind: str = "hint", source_turn_id: str | None = None,
+        min_score: float | None = None,
     ) -> Lesson:
-        """Store a lesson for the user (created if missing)."""
+        """Store a lesson for the user (created if missing); ``min_score``: see :attr:`Lesson.min_score`."""
         _check_id("user_id", user_id)
         if not text.strip():
             raise ValueError("lesson text is empty")
-        row = Lesson(user_id=user_id, text=text, kind=kind, source_turn_id=source_turn_id)
+        row = Lesson(user_id=user_id, text=text, kind=kind, source_turn_id=source_turn_id, min_score=min_score)
 
         def work(db: Session) -> Lesson:
             _insert_ignore(db, User.__table__, id=user_id, created_at=utcnow())

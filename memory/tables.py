@@ -208,6 +208,9 @@ class _LessonFields(SQLModel):
     text: str = Field(sa_type=NulSafeText)
     kind: str = "hint"
     source_turn_id: str | None = None
+    # the similarity a request needs to this lesson for the agent to show it, where the lesson check
+    # narrowed it (it broke pinned turns as close as that, less a margin); None: the agent's floor
+    min_score: float | None = None
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 

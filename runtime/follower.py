@@ -28,7 +28,7 @@ from whet.memory.bus import (
     Bus,
     Event,
 )
-from whet.memory.index import LessonIndex
+from whet.memory.index import LessonIndex, index_items
 from whet.memory.store import Store
 from whet.runtime.adapters import AdapterRouter
 
@@ -147,14 +147,14 @@ class Follower:
         if lesson is None or lesson.id is None:  # forgotten since: nothing to index
             return
         # the cursor stays the poll's: an event may overtake a lower id that is still on its way
-        await anyio.to_thread.run_sync(self.index.add, lesson.id, lesson.user_id, lesson.text)
+        await anyio.to_thread.run_sync(self.index.add_many, index_items([lesson]))
 
     async def _index_new_lessons(self) -> None:
         lessons = await self.store.list_lessons(after_id=self.lesson_cursor)
-        items = [(lesson.id, lesson.user_id, lesson.text) for lesson in lessons if lesson.id is not None]
+        items = index_items(lessons)
         if items:
             await anyio.to_thread.run_sync(self.index.add_many, items)
-            self.lesson_cursor = max(self.lesson_cursor, max(i for i, _, _ in items))
+            self.lesson_cursor = max(self.lesson_cursor, max(item[0] for item in items))
 
     async def _drop_deleted_lessons(self) -> None:
         """Drop indexed lessons the store no longer has (a missed ``lesson.deleted`` or ``user.forgotten``)."""

@@ -476,6 +476,7 @@ class LessonView(BaseModel):
     text: str
     kind: str
     source_turn_id: str | None
+    min_score: float | None = None  # shown only to requests this similar (the lesson check narrowed it)
     created_at: datetime
 
 

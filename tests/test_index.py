@@ -7,9 +7,10 @@ import threading
 import numpy as np
 import pytest
 
+from whet.config.settings import AgentConfig
 from whet.learner.lessons import lesson_text
 from whet.memory import HashingEmbedder, Lesson, LessonIndex, MiniLMEmbedder, open_embedder
-from whet.memory.index import lesson_key
+from whet.memory.index import agent_shown, lesson_key
 
 LESSONS = [
     (1, "alice", "Alice lives in Berlin, so give times in the Europe/Berlin time zone."),
@@ -81,6 +82,27 @@ def test_a_learner_lesson_is_found_by_the_request_it_came_from_not_by_its_call(e
     # the lesson check scores a lesson against pinned requests by the same key
     request = index.embedder.embed(["What's the time where Dad is?"])[0]
     assert index.lesson_vectors([dad])[0] @ request == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_narrowed_lesson_is_shown_only_to_requests_as_close_as_its_floor_and_does_not_crowd_the_rest():
+    """A lesson the lesson check narrowed carries its own floor through the index and the store; below it
+    the lesson is as if absent: not shown, and not the closest that the margin counts from."""
+    home = lesson_text("What time is it at home?", calls=[{"name": "now", "arguments": '{"timezone": "Seoul"}'}])
+    dad = lesson_text("What's the time where Dad is?", calls=[{"name": "now", "arguments": '{"timezone": "Cairo"}'}])
+    index = LessonIndex(HashingEmbedder())
+    index.rebuild([Lesson(id=1, user_id="jun", text=home, min_score=0.9), Lesson(id=2, user_id="jun", text=dad)])
+    agent = AgentConfig(lessons_min_score=0.1, lessons_margin=0.1)
+
+    def shown_for(request: str) -> list[int]:
+        return [h.lesson_id for h in agent_shown(agent, index.search("jun", request, 4))]
+
+    look_alike = index.search("jun", "What is the time at home in Cairo?", 4)
+    assert [h.lesson_id for h in look_alike] == [1, 2] and look_alike[0].score < 0.9
+    assert look_alike[0].score - look_alike[1].score > 0.1  # the home lesson would have crowded Dad's out
+    assert shown_for("What is the time at home in Cairo?") == [2]
+    assert shown_for("What time is it at home?") == [1]  # its own request: 1.0, and Dad's far below
+    index.add(1, "jun", home)  # the same lesson unnarrowed replaces it
+    assert shown_for("What is the time at home in Cairo?") == [1]
 
 
 def test_search_never_returns_another_users_lesson(embedder):

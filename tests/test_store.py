@@ -364,3 +364,36 @@ async def test_lesson_ids_and_bounded_counts_on_postgresql(postgres_schema_url):
         await exercise_lesson_ids(store)
     finally:
         await store.aclose()
+
+
+def exercise_new_column_migration(url: str) -> None:
+    """A store written before ``lessons.min_score`` existed opens with the column added; its lessons read
+    NULL there, and a lesson written now keeps its floor."""
+    from sqlalchemy import text
+
+    async def check() -> None:
+        store = open_store(url)
+        try:
+            old = await store.add_lesson("ida", "ida lives in Oslo")
+            with store.engine.begin() as db:  # the table as an older whet made it
+                db.execute(text('ALTER TABLE "lessons" DROP COLUMN "min_score"'))
+        finally:
+            await store.aclose()
+        store = open_store(url)
+        try:
+            new = await store.add_lesson("ida", "ida walks", min_score=0.75)
+            assert [(lesson.id, lesson.min_score) for lesson in await store.list_lessons("ida")] == [
+                (old.id, None), (new.id, 0.75)]  # fmt: skip
+        finally:
+            await store.aclose()
+
+    anyio.run(check)
+
+
+def test_an_older_sqlite_store_gains_the_new_lesson_column(tmp_path):
+    exercise_new_column_migration(f"sqlite:///{tmp_path / 'whet.db'}")
+
+
+@pytest.mark.loopback
+def test_an_older_postgresql_store_gains_the_new_lesson_column(postgres_schema_url):
+    exercise_new_column_migration(postgres_schema_url)
