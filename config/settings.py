@@ -352,9 +352,12 @@ class GateConfig(Section):
     rollback_z: float = Field(2.0, ge=0.0)
     # lessons pass the same pinned turns: a new lesson that a pinned turn would be shown (the agent's
     # retrieval rule) must not make the served model answer it wrong, greedily, where it answers it
-    # right without; such a lesson is not added (logged). Needs the served model: `whet learn`
-    # alone adds lessons unchecked
+    # right without; such a lesson is added narrowed: shown only to requests at least lesson_scope_margin
+    # more similar to it than the closest turn it broke (none, when that is 1 or more: not added; both
+    # logged). Needs the served model: `whet learn` alone adds lessons unchecked
     check_lessons: bool = True
+    # 2 (or anything over 1) holds back every lesson that breaks a pinned turn
+    lesson_scope_margin: float = Field(0.15, ge=0.0)
 
 
 class RehearsalConfig(Section):

@@ -70,7 +70,7 @@ from whet.learner.judge import (
     Verdict,
     correction_hint,
 )
-from whet.learner.lesson_check import Generate, LessonCheck
+from whet.learner.lesson_check import Generate, LessonCheck, narrowed
 from whet.learner.lessons import argument_values, ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
@@ -112,7 +112,8 @@ class Progress:
 
     judged: int = 0
     lessons: int = 0
-    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns)
+    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns about as close as their own request)
+    lessons_narrowed: int = 0  # lessons it added narrowed (they broke pinned turns less close)
     steps: int = 0
     promoted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -262,7 +263,8 @@ class Learner:
         # the locks are read after the store: work that drained the queue while we read is still in hand
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
-        return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held, "steps": p.steps,
+        return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held,
+                "lessons_narrowed": p.lessons_narrowed, "steps": p.steps,
                 "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
                 "busy": busy}  # fmt: skip
 
@@ -380,17 +382,23 @@ class Learner:
         user_id = request[-1].user_id
         if any(lesson.text == text for lesson in await self.store.list_lessons(user_id)):
             return
+        min_score = None
         if self._lesson_check is not None:
             try:
                 broken = await self._lesson_check.broken(user_id, text)
             except Exception as exc:  # the served model unreachable: the lesson is not lost over its guard
                 log.warning("lesson check failed; the lesson is added unchecked", lesson=text, error=repr(exc))
                 broken = []
-            if broken:
-                log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=broken)
+            min_score = narrowed(broken, self.config.gate.lesson_scope_margin)
+            if broken and min_score is None:
+                log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=[str(b) for b in broken])
                 self.progress.lessons_held += 1
                 return
-        lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id)
+            if broken:
+                log.info("lesson narrowed: it breaks pinned turns", user=user_id, lesson=text, min_score=round(min_score, 3),
+                         broken=[str(b) for b in broken])
+                self.progress.lessons_narrowed += 1
+        lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id, min_score=min_score)
         await self.bus.publish(LESSON_ADDED, {"lesson_id": lesson.id, "user_id": user_id})
         self.progress.lessons += 1
 

@@ -1,11 +1,13 @@
-"""The lesson check: a new lesson is not added when it breaks a pinned turn.
+"""The lesson check: a new lesson that breaks a pinned turn is narrowed, or else not added.
 
 Weights reach users only through the promotion gate; a lesson reaches the very next request. The
 check holds lessons to the gate's greedy rule (:class:`~whet.learner.gate.PinnedAction`): for each
 pinned turn of the regression set whose request would be shown the new lesson (the agent's
 retrieval rule, :func:`~whet.memory.index.shown`, over the user's lessons and this one), the
 served model answers it greedily with the lesson in its prompt. A turn answered wrong with the
-lesson and right without it is a turn the lesson broke, and the lesson is not added.
+lesson and right without it is a turn the lesson broke. Such a lesson is added narrowed
+(:func:`narrowed`): shown only to requests closer to it, by a margin, than any turn it broke; one
+that broke a turn about as close as its own request is not added.
 
 What it guards (both seen in bench runs): a user who thanks at random makes "calling add_note(...)
 was right" a lesson for a sum, and the next sum is noted instead of added; "the time at home:
@@ -18,7 +20,7 @@ checked at both.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -32,6 +34,33 @@ from whet.memory.index import LessonHit, LessonIndex, agent_shown
 Generate = Callable[[str, list[dict[str, Any]], list[dict[str, Any]] | None, int], Awaitable[str]]
 
 
+class Broken(NamedTuple):
+    """A pinned turn a lesson broke: its request, the reply with the lesson shown, and the lesson's
+    similarity to the request."""
+
+    request: str
+    reply: str
+    score: float
+
+    def __str__(self) -> str:
+        return f"{self.request} -> {self.reply} ({self.score:.2f})"
+
+
+def narrowed(broken: Sequence[Broken], margin: float) -> float | None:
+    """The similarity a lesson that broke ``broken`` needs to be shown: ``margin`` above the closest
+    of them, so that it reaches the requests it was written for and not the look-alikes it
+    misleads; None when nothing is left below 1 (it broke a turn about as close as its own request).
+
+    Why it pays: a lesson about the time at home scores 0.83-0.89 against the other ways of asking
+    it and 0.57-0.61 against the pinned "What's the time in Moscow right now?" it made the model
+    answer with the home city (MiniLM; bench/results/RUNS.md, stop 46). Held back, as every such
+    lesson once was, it helps no one."""
+    if not broken:
+        return None
+    floor = max(b.score for b in broken) + margin
+    return floor if floor < 1.0 else None
+
+
 class LessonCheck:
     def __init__(self, pinned: Sequence[PinnedTurn], index: LessonIndex, agent: AgentConfig, generate: Generate) -> None:
         self.pinned = list(pinned)
@@ -41,9 +70,9 @@ class LessonCheck:
         self._requests = [last_user_text(turn.messages) for turn in self.pinned]
         self._vectors: np.ndarray | None = None  # the pinned requests embedded, once
 
-    async def broken(self, user_id: str, text: str) -> list[str]:
-        """The pinned turns that lesson ``text`` (not yet added) breaks for ``user_id``, each as
-        ``request -> reply``; empty when it breaks none."""
+    async def broken(self, user_id: str, text: str) -> list[Broken]:
+        """The pinned turns that lesson ``text`` (not yet added) breaks for ``user_id``, closest first;
+        empty when it breaks none."""
         if not self.pinned or self.agent.lessons_k == 0:
             return []
         scores = await anyio.to_thread.run_sync(self._scores, text)
@@ -59,8 +88,8 @@ class LessonCheck:
             reply = await self._answer(user_id, turn, with_it)
             if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, agent_shown(self.agent, hits))):
                 continue
-            broken.append(f"{request} -> {reply.strip()}")
-        return broken
+            broken.append(Broken(request, reply.strip(), score))
+        return sorted(broken, key=lambda b: -b.score)
 
     def _scores(self, text: str) -> np.ndarray:
         """Cosine similarity of lesson ``text``, as the index stores it, to each pinned request, as the

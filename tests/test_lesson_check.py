@@ -1,4 +1,5 @@
-"""The lesson check: a lesson that breaks a pinned turn it would be shown with is not added."""
+"""The lesson check: a lesson that breaks a pinned turn it would be shown with is added narrowed (shown
+only to requests closer to it than that turn), or not at all."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from whet.learner.prompt import last_user_text
 from whet.learner.registry import AdapterRegistry
 from whet.memory.bus import MemoryBus
 from whet.memory.experience import Experience
-from whet.memory.index import HashingEmbedder, LessonIndex
+from whet.memory.index import HashingEmbedder, LessonIndex, lesson_key
 from whet.memory.store import Store, open_store
 from whet.memory.tables import TurnCreate
 
@@ -77,8 +78,10 @@ async def test_a_lesson_that_makes_a_pinned_turn_wrong_is_broken_and_unrelated_t
     assert similarity(NOTE_SUM, "What's 37 plus 15?") >= 0.3 > similarity(NOTE_SUM, "Hello!")  # the premise
     model = Model()
     broken = await check_with(model).broken("alice", NOTE_SUM)
-    assert broken == ['What\'s 37 plus 15? -> <tool_call>\n{"name": "add_note", "arguments": {"text": '
-                      '"What\'s 37 plus 15?"}}\n</tool_call>']  # fmt: skip
+    assert [(b.request, b.reply) for b in broken] == [("What's 37 plus 15?", '<tool_call>\n{"name": "add_note", '
+                                                      '"arguments": {"text": "What\'s 37 plus 15?"}}\n</tool_call>')]
+    # scored as the index scores a search: by the request the lesson names
+    assert broken[0].score == pytest.approx(similarity("What's 37 plus 14?", "What's 37 plus 15?"), abs=1e-5)
     # asked with the lesson, then without it (right: so the lesson broke it); "Hello!" was never asked
     assert [(request, NOTE_SUM in system) for request, system in model.asked] == [
         ("What's 37 plus 15?", True), ("What's 37 plus 15?", False)]  # fmt: skip
@@ -151,30 +154,39 @@ class Unreachable(Model):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("copies", [True, False, None])
-async def test_the_learner_holds_back_a_success_lesson_that_breaks_a_pinned_sum(tmp_path, store, copies):
-    """A random thanks after a sum was noted makes "calling add_note(...) was right" a lesson; a model that
-    would then note the pinned sum keeps it out (counted, not stored); one that reads it right keeps it; when the
-    served model cannot be asked (None), the lesson is added unchecked rather than lost with its judging."""
+@pytest.mark.parametrize(("copies", "margin"), [(True, 0.15), (True, 0.2), (False, 0.15), (None, 0.15)])
+async def test_the_learner_narrows_or_holds_back_a_success_lesson_that_breaks_a_pinned_sum(tmp_path, store, copies,
+                                                                                             margin):  # fmt: skip
+    """A random thanks after a sum was noted makes "calling add_note(...) was right" a lesson. A model that
+    would then note the pinned sum gets it narrowed: shown only to requests ``margin`` closer to it than the
+    pinned sum is, or, when that leaves nothing below 1, not at all (counted, not stored). One that reads it
+    right keeps it as it is; when the served model cannot be asked (None), the lesson is added unchecked
+    rather than lost with its judging."""
+    closest = similarity("What's 37 plus 14?", "What's 37 plus 15?")
+    assert closest + 0.15 < 1.0 <= closest + 0.2  # the premise: one margin narrows, the other holds back
     bus = MemoryBus()
     await bus.start()
     index = LessonIndex(HashingEmbedder())
-    learner = Learner(LearnerConfig(train=False), store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
+    config = LearnerConfig(train=False, gate={"lesson_scope_margin": margin})
+    learner = Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
                       lesson_check=LessonCheck(PINNED, index, AgentConfig(), Unreachable() if copies is None
                                                else Model(copies)))  # fmt: skip
     await thanked_call(store, Experience(store, bus), "What's 37 plus 14?", "add_note", {"text": "37 + 14"})
     await learner.catch_up()
-    lessons = [lesson.text for lesson in await store.list_lessons("alice")]
+    lessons = [(lesson.text, lesson.min_score) for lesson in await store.list_lessons("alice")]
     status = await learner.status()
-    if copies:
-        assert (lessons, status["lessons"], status["lessons_held"]) == ([], 0, 1)
+    counts = (status["lessons"], status["lessons_narrowed"], status["lessons_held"])
+    if copies and margin == 0.2:
+        assert (lessons, counts) == ([], (0, 0, 1))
+    elif copies:
+        assert lessons == [(NOTE_SUM, pytest.approx(closest + margin, abs=1e-5))] and counts == (1, 1, 0)
     else:
-        assert (lessons, status["lessons"], status["lessons_held"]) == ([NOTE_SUM], 1, 0)
+        assert (lessons, counts) == ([(NOTE_SUM, None)], (1, 0, 0))
     await bus.aclose()
 
 
 @pytest.mark.anyio
-async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_keeps_it_out(tmp_path):
+async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_narrows_it(tmp_path):
     """The whole path: a sum answered with add_note and thanked; the learner asks the served model the
     bundled pinned turns the lesson would be shown with (the hashing embedder scores them 0.24-0.29, so
     the floor is lowered to reach them), sees a pinned sum noted, and adds no lesson."""
@@ -205,8 +217,17 @@ async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_ke
         with anyio.fail_after(60):  # the learner's own task may be judging it (and asking the model) meanwhile
             while (await res.learner.status())["busy"]:
                 await anyio.sleep(0.05)  # polling the learner: it publishes no event for a lesson held back
-        assert await res.store.list_lessons(res.config.server.default_user) == []
-        assert (await res.learner.status())["lessons_held"] == 1
         asked = [(last_user_text(c.messages), "add_note(" in c.messages[0]["content"], c.params.temperature)
                  for c in backend.calls[3:]]  # fmt: skip
         assert ("What's 22 plus 45?", True, 0.0) in asked and ("What's 22 plus 45?", False, 0.0) in asked
+        [lesson] = await res.store.list_lessons(res.config.server.default_user)
+        closest = similarity(lesson_key(lesson.text), "What's 22 plus 45?")  # the closest pinned turn it broke
+        assert lesson.min_score == pytest.approx(closest + 0.15, abs=1e-5) and closest > 0.5
+        assert (await res.learner.status())["lessons_narrowed"] == 1
+        with anyio.fail_after(30):
+            while len(res.index) < 1:  # the lesson reaches the index through the bus
+                await anyio.sleep(0.05)
+        for request, shown in (("What's 22 plus 45?", False), ("What's 37 plus 14?", True)):
+            before = len(backend.calls)
+            assert (await client.post("/v1/chat/completions", json=chat_body(request))).status_code == 200
+            assert ("add_note(" in backend.calls[before].messages[0]["content"]) is shown, request

@@ -206,7 +206,8 @@ class ArmResult:
     chat_after: float = 0.0
     adapters_promoted: int = 0
     lessons: int = 0
-    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns)
+    lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns about as close as their own request)
+    lessons_narrowed: int = 0  # lessons it added narrowed (shown only to requests closer than the turns they broke)
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
     steps: int = 0  # training steps made (candidates, whatever the gate decided)
@@ -244,6 +245,7 @@ class ArmResult:
             "adapters_promoted": self.adapters_promoted,
             "lessons": self.lessons,
             "lessons_held": self.lessons_held,
+            "lessons_narrowed": self.lessons_narrowed,
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
             "steps": self.steps,
@@ -314,6 +316,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result.adapters_promoted = learner.get("promoted", 0)
     result.lessons = learner.get("lessons", 0)
     result.lessons_held = learner.get("lessons_held", 0)
+    result.lessons_narrowed = learner.get("lessons_narrowed", 0)
     result.adapter = health.get("adapter")
     if learner:
         result.steps, result.step_seconds = step_time(client.learning().get("adapters") or [])

@@ -391,7 +391,7 @@ function showLive(data) {
     el("div", { class: "live-row" }, el("span", {}, scope), el("span", { class: "pill" }, versionName(version)))));
   const l = data.learner;
   document.getElementById("learner-status").textContent = l
-    ? `learner: ${l.judged} judged · ${l.lessons} lessons · ${l.steps} steps · ${l.promoted} promoted · ${l.rejected} rejected · ${l.rolled_back} rolled back${l.busy ? " · working…" : ""}`
+    ? `learner: ${l.judged} judged · ${l.lessons} lessons${l.lessons_narrowed ? ` (${l.lessons_narrowed} narrowed)` : ""} · ${l.steps} steps · ${l.promoted} promoted · ${l.rejected} rejected · ${l.rolled_back} rolled back${l.busy ? " · working…" : ""}`
     : "the learner runs in another process (whet learn)";
 }
 
@@ -427,7 +427,8 @@ function showLessons(lessons) {
   list.replaceChildren(...lessons.map((lesson) => {
     const item = el("li", { "data-lesson": lesson.id },
       el("span", { class: "text" }, lesson.text),
-      el("span", { class: "kind" }, `${lesson.kind} · ${when(lesson.created_at)}`));
+      el("span", { class: "kind" }, `${lesson.kind} · ${when(lesson.created_at)}` +
+        (lesson.min_score == null ? "" : ` · shown only to close requests (≥ ${lesson.min_score.toFixed(2)})`)));
     item.append(el("button", { title: "forget this lesson", onclick: async () => {
       try {
         await api(`/v1/lessons/${lesson.id}`, { method: "DELETE" });
