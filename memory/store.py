@@ -116,7 +116,9 @@ def _add_new_columns(engine: Engine) -> None:
                     raise RuntimeError(f"the store's table {table.name} lacks column {column.name}, which cannot be "
                                        "added to existing rows: move the old store aside or delete it")
                 kind = column.type.compile(dialect=engine.dialect)
-                db.execute(sql_text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))
+                # PostgreSQL: replicas starting together may race to add it; SQLite has one host, and no such clause
+                guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
+                db.execute(sql_text(f'ALTER TABLE "{table.name}" ADD COLUMN {guard}"{column.name}" {kind}'))
 
 
 def _parse_url(url: str) -> URL:
