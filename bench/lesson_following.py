@@ -48,7 +48,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whet.config.settings import AgentConfig, load_config
-from whet.learner.gate import pinned_turns, read_records
+from whet.learner.gate import load_pinned_turns
 from whet.learner.judge import correction_hint
 from whet.learner.learner import regression_path
 from whet.learner.lessons import lesson_text
@@ -112,7 +112,7 @@ def pinned_copies(policy: Policy, profile: Profile, rng: random.Random) -> tuple
     """(broken, checked, what each broken one answered): the gate's pinned general calls the policy keeps
     alone, each beside each of ``profile``'s personal lessons that calls the same tool."""
     system = AgentConfig().system_prompt
-    pinned = [t for t in pinned_turns(read_records(regression_path("bundled"))) if t.action.calls]
+    pinned = [t for t in load_pinned_turns(regression_path("bundled")) if t.action.calls]
     pinned = [t for t in pinned if t.action.kept(policy._generate(prompt_with_lessons(t.messages, [], system)))]
     broken, checked, seen = 0, 0, []
     for intent in PERSONAL:

@@ -21,13 +21,13 @@ closest pinned request of all (``config/regression.jsonl``). It then counts, at 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 import numpy as np
 
 from whet.config.settings import load_config
+from whet.learner.gate import load_pinned_turns
 from whet.learner.learner import regression_path
 from whet.learner.prompt import last_user_text
 from whet.memory.index import open_embedder
@@ -48,12 +48,11 @@ def main() -> None:
     margin = load_config().learner.gate.lesson_scope_margin if args.margin is None else args.margin
 
     embedder = open_embedder("auto")
-    path = regression_path("bundled")
-    pinned = sorted({last_user_text(json.loads(line)["messages"]) for line in path.read_text().splitlines() if line.strip()})
+    pinned = sorted({last_user_text(turn.messages) for turn in load_pinned_turns(regression_path("bundled"))})
     profile = load_profile(args.profile)
     world = World(profile, args.seed)
-    lessons = list(dict.fromkeys(t.text for t in world.training_tasks(args.interactions) if t.personal))
-    asked = {t.text: t for t in world.training_tasks(args.interactions)}
+    asked = {t.text: t for t in world.training_tasks(args.interactions) if t.personal}  # in order, each request once
+    lessons = list(asked)
     heldout = world.heldout_tasks(args.heldout)
     rng, vocab = random.Random(args.seed), training_vocabulary()
     general = sorted({make_task(i, rng, random_profile(rng, vocab), vocab=vocab).text

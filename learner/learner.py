@@ -389,12 +389,13 @@ class Learner:
             except Exception as exc:  # the served model unreachable: the lesson is not lost over its guard
                 log.warning("lesson check failed; the lesson is added unchecked", lesson=text, error=repr(exc))
                 broken = []
-            min_score = narrowed(broken, self.config.gate.lesson_scope_margin)
-            if broken and min_score is None:
-                log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text, broken=[str(b) for b in broken])
-                self.progress.lessons_held += 1
-                return
             if broken:
+                min_score = narrowed(broken, self.config.gate.lesson_scope_margin)
+                if min_score is None:
+                    log.info("lesson held back: it breaks pinned turns", user=user_id, lesson=text,
+                             broken=[str(b) for b in broken])
+                    self.progress.lessons_held += 1
+                    return
                 log.info("lesson narrowed: it breaks pinned turns", user=user_id, lesson=text, min_score=round(min_score, 3),
                          broken=[str(b) for b in broken])
                 self.progress.lessons_narrowed += 1

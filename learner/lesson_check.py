@@ -47,7 +47,7 @@ class Broken(NamedTuple):
 
 
 def narrowed(broken: Sequence[Broken], margin: float) -> float | None:
-    """The similarity a lesson that broke ``broken`` needs to be shown: ``margin`` above the closest
+    """The similarity a lesson that broke ``broken`` (not empty) needs to be shown: ``margin`` above the closest
     of them, so that it reaches the requests it was written for and not the look-alikes it
     misleads; None when nothing is left below 1 (it broke a turn about as close as its own request).
 
@@ -55,8 +55,6 @@ def narrowed(broken: Sequence[Broken], margin: float) -> float | None:
     it and 0.57-0.61 against the pinned "What's the time in Moscow right now?" it made the model
     answer with the home city (MiniLM; bench/results/RUNS.md, stop 46). Held back, as every such
     lesson once was, it helps no one."""
-    if not broken:
-        return None
     floor = max(b.score for b in broken) + margin
     return floor if floor < 1.0 else None
 
