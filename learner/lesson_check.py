@@ -10,8 +10,10 @@ lesson and right without it is a turn the lesson broke. Such a lesson is added n
 that broke a turn about as close as its own request is not added.
 
 What it guards (both seen in bench runs): a user who thanks at random makes "calling add_note(...)
-was right" a lesson for a sum, and the next sum is noted instead of added; "the time at home:
-now(Lisbon) was right" made the model call the clock for "Which weekday is 2027-02-15?". Pinned
+was right" a lesson for a sum (one that put the note on a list: a call of the request's own words
+teaches none, :func:`~whet.learner.lessons.says_more`), and the next sum is noted instead of added;
+"the time at home: now(Lisbon) was right" made the model call the clock for "Which weekday is
+2027-02-15?". Pinned
 turns that would not be shown the lesson cost nothing: most lessons are checked against no turn or
 a few. A request pinned at two steps (its call, then the answer read off the call's result) is
 checked at both.

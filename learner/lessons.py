@@ -3,7 +3,10 @@
 A verdict with a hint, or a clear success (a +1 on a request that used tools),
 becomes a lesson at once, so the very next request benefits before any weight
 changes. The lesson names the request it came from, because retrieval matches
-lessons to new requests by similarity.
+lessons to new requests by similarity. A success whose calls hold nothing but
+what the request said ("What date is 60 days after 2026-05-11?" answered with
+``add_to_date(2026-05-11, 60)``) teaches no lesson: the next such request says
+its own values, and shown beside it the copy only misleads.
 """
 
 from __future__ import annotations
@@ -32,9 +35,37 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
         return lesson_text(asked, hint=verdict.hint), "hint"
     calls = [call["function"] for turn in request if not ignores_correction(turn)
              for call in turn.tool_calls if call.get("id") not in _failed(turn)]  # fmt: skip
-    if verdict.score > 0 and calls:
+    if verdict.score > 0 and calls and says_more(asked, calls):
         return lesson_text(asked, calls=calls), "success"
     return None
+
+
+def says_more(asked: str, calls: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether ``calls`` (OpenAI function dicts) pass a word the request ``asked`` did not have:
+    the user's city for "What time is it at home?", the list for "Remind me to ...", the unit
+    for "How hot is 12 °C?". A call built only from the request's own words (a sum, a date and
+    its days, "Put X on the car list.") is what any request of its kind spells for itself.
+
+    Why it matters: beside a new date request, such a lesson about another date made the model
+    drop the new request's days (bench/results/RUNS.md, stop 46), and a user who thanks at random
+    would make "calling add_note(22 plus 45)" a lesson for every sum; a lesson that carries
+    nothing new cannot help the request it is shown to."""
+    said = _words(asked)
+    for call in calls:
+        arguments = parse_arguments(call.get("arguments"))
+        values = argument_values(arguments) if isinstance(arguments, dict) else [str(call.get("arguments") or "")]
+        if any(_words(_plain_number(value)) - said for value in values):
+            return True
+    return False
+
+
+def _plain_number(value: str) -> str:
+    """A whole number written as a float ("40.0") as the request writes it ("40")."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return str(int(number)) if number.is_integer() and abs(number) < 1e15 else value
 
 
 def _failed(turn: Turn) -> set[str]:

@@ -533,3 +533,38 @@ def test_a_success_lesson_leaves_out_the_calls_that_failed():
     assert lesson_for(thanks, [failed]) is None  # the answer did not come from that call
     text, kind = lesson_for(thanks, [failed, step(good, '{"time": "09:00"}')])
     assert kind == "success" and "Lisbon" in text and "Champagne" not in text
+
+
+def test_a_success_that_holds_only_the_requests_own_words_teaches_no_lesson():
+    from types import SimpleNamespace
+
+    from whet.learner.judge import Verdict
+    from whet.learner.lessons import lesson_for, says_more
+
+    thanks = Verdict(1, None, "the user said thanks", "rules")
+
+    def thanked(request, name, arguments):
+        call = {"id": "c1", "function": {"name": name, "arguments": arguments}}
+        turn = SimpleNamespace(prompt_messages=[{"role": "user", "content": request}], tool_calls=[call],
+                               next_state_kind=None, next_state=None)
+        return lesson_for(thanks, [turn])
+
+    # the request spells every value: the next such request spells its own
+    assert thanked("What date is 60 days after 2026-05-11?", "add_to_date", '{"date": "2026-05-11", "days": 60}') is None
+    assert thanked("Put book the dentist on the car list.", "add_note",
+                   '{"text": "book the dentist", "list_name": "car"}') is None
+    assert thanked("What's 22 plus 45?", "add_note", '{"text": "22 plus 45"}') is None  # thanked at random
+    assert thanked("Convert 40 celsius to fahrenheit.", "convert",
+                   '{"value": 40.0, "from_unit": "Celsius", "to_unit": "fahrenheit"}') is None  # 40.0 is the 40 asked
+    # a word the request did not have is what the lesson is for
+    text, kind = thanked("What time is it at home?", "now", '{"timezone": "Seoul"}')
+    assert kind == "success" and "Seoul" in text
+    assert thanked("How hot is 12 °C?", "convert", '{"value": 12, "from_unit": "celsius", "to_unit": "kelvin"}')
+    assert thanked("Can you remind me to print the tickets?", "add_note", '{"text": "print the tickets", "list_name": "work"}')
+    assert thanked("What's 22 plus 45?", "calculate", '{"expression": "22 + 45.5"}')  # a number not asked
+    assert says_more("Note this.", [{"name": "add_note", "arguments": "{not json"}])  # unreadable: kept, as before
+    # a hint is a lesson whatever it names: the user said it
+    hint = Verdict(-1, 'The user meant "40 celsius"', "the user corrected the answer", "rules")
+    turn = SimpleNamespace(prompt_messages=[{"role": "user", "content": "Convert 40 celsius to fahrenheit."}],
+                           tool_calls=[], next_state_kind=None, next_state=None)
+    assert lesson_for(hint, [turn])[1] == "hint"

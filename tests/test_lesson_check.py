@@ -25,6 +25,7 @@ from whet.memory.tables import TurnCreate
 
 SYSTEM = {"role": "system", "content": "You are whet."}
 NOTE_SUM = 'When asked "What\'s 37 plus 14?": calling add_note({"text": "37 + 14"}) was right.'
+NOTE_SUM_LISTED = 'When asked "What\'s 37 plus 14?": calling add_note({"list_name": "maths", "text": "37 + 14"}) was right.'
 TIME_HOME = 'When asked "What time is it at home?": calling now({"timezone": "Lisbon"}) was right.'
 
 
@@ -157,7 +158,8 @@ class Unreachable(Model):
 @pytest.mark.parametrize(("copies", "margin"), [(True, 0.15), (True, 0.2), (False, 0.15), (None, 0.15)])
 async def test_the_learner_narrows_or_holds_back_a_success_lesson_that_breaks_a_pinned_sum(tmp_path, store, copies,
                                                                                              margin):  # fmt: skip
-    """A random thanks after a sum was noted makes "calling add_note(...) was right" a lesson. A model that
+    """A random thanks after a sum was noted on a list makes "calling add_note(...) was right" a lesson (the
+    list is what the request did not say: a note of the sum alone would teach none). A model that
     would then note the pinned sum gets it narrowed: shown only to requests ``margin`` closer to it than the
     pinned sum is, or, when that leaves nothing below 1, not at all (counted, not stored). One that reads it
     right keeps it as it is; when the served model cannot be asked (None), the lesson is added unchecked
@@ -171,7 +173,7 @@ async def test_the_learner_narrows_or_holds_back_a_success_lesson_that_breaks_a_
     learner = Learner(config, store, bus, RulesJudge(), AdapterRegistry(store, bus, tmp_path),
                       lesson_check=LessonCheck(PINNED, index, AgentConfig(), Unreachable() if copies is None
                                                else Model(copies)))  # fmt: skip
-    await thanked_call(store, Experience(store, bus), "What's 37 plus 14?", "add_note", {"text": "37 + 14"})
+    await thanked_call(store, Experience(store, bus), "What's 37 plus 14?", "add_note", {"text": "37 + 14", "list_name": "maths"})
     await learner.catch_up()
     lessons = [(lesson.text, lesson.min_score) for lesson in await store.list_lessons("alice")]
     status = await learner.status()
@@ -179,9 +181,9 @@ async def test_the_learner_narrows_or_holds_back_a_success_lesson_that_breaks_a_
     if copies and margin == 0.2:
         assert (lessons, counts) == ([], (0, 0, 1))
     elif copies:
-        assert lessons == [(NOTE_SUM, pytest.approx(closest + margin, abs=1e-5))] and counts == (1, 1, 0)
+        assert lessons == [(NOTE_SUM_LISTED, pytest.approx(closest + margin, abs=1e-5))] and counts == (1, 1, 0)
     else:
-        assert (lessons, counts) == ([(NOTE_SUM, None)], (1, 0, 0))
+        assert (lessons, counts) == ([(NOTE_SUM_LISTED, None)], (1, 0, 0))
     await bus.aclose()
 
 
@@ -198,11 +200,14 @@ async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_na
             if t.messages[-1]["role"] == "user"}  # fmt: skip
 
     def model(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-        """Notes whatever it is asked once a lesson says add_note was right, and notes this one sum."""
+        """Notes whatever it is asked once a lesson says add_note was right, and notes this one sum on a
+        list (what the request did not say, so that its thanks teach a lesson)."""
         request = last_user_text(messages)
         if messages[-1]["role"] == "tool":
             return "Done."
-        if "add_note(" in messages[0]["content"] or request == "What's 37 plus 14?":
+        if request == "What's 37 plus 14?" and "add_note(" not in messages[0]["content"]:
+            return call("add_note", text=request, list_name="maths")
+        if "add_note(" in messages[0]["content"]:
             return call("add_note", text=request)
         return pins.get(request, "Hello.")
 
