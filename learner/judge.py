@@ -277,6 +277,23 @@ def is_requery(reply: str, asked: str) -> bool:
     return len(words) >= 3 and len(words & set(re.findall(r"\w+", reply.lower()))) / len(words) >= REQUERY_CONTAINS
 
 
+_ACKNOWLEDGED = re.compile(
+    r"^(?:ok(?:ay)?|alright|all\s+right|got\s+it|good\s+to\s+know|i\s+see|fine|sure|noted|understood)$",
+    re.IGNORECASE,
+)
+ACKNOWLEDGEMENT_WORDS = 4  # thanks longer than this may carry a new request ("Great, now note that I'm out")
+
+
+def is_acknowledgement(reply: str) -> bool:
+    """Whether ``reply`` only thanks or acknowledges ("Thank you!", "Perfect, thank you.", "Got it."):
+    feedback on the answer before it, not a request of its own. A question ("Thanks! And in
+    Paris?") or a longer sentence is a request, whatever thanks it opens with."""
+    text = _tidy(" ".join(reply.replace("\u2019", "'").split()))
+    if not text or "?" in reply or len(re.findall(r"\w+", text)) > ACKNOWLEDGEMENT_WORDS:
+        return False
+    return bool(_ACKNOWLEDGED.match(text)) or (bool(_PRAISE.search(text)) and correction_hint(reply) is None)
+
+
 def _similarity(a: str, b: str) -> float:
     """Jaccard similarity of the two texts' lowercase word sets (punctuation dropped)."""
     words_a, words_b = set(re.findall(r"\w+", a.lower())), set(re.findall(r"\w+", b.lower()))

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_requery
+from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_acknowledgement, is_requery
 from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
 from whet.memory.index import LESSON_ASKED
 from whet.memory.tables import Turn
@@ -119,9 +119,11 @@ def argument_values(arguments: Any) -> Iterator[str]:
 
 
 def asked_text(messages: Sequence[dict[str, Any]]) -> str:
-    """What the user asked for: the last user message that is not a correction or a re-ask of the
-    one before it. After "No, I meant Lisbon time." the request is still "What time is it at home?",
-    and a lesson keyed by the correction would never be retrieved for the next such request."""
+    """What the user asked for: the last user message that is not a correction, a re-ask of the
+    one before it, or thanks. After "No, I meant Lisbon time." the request is still "What time is it
+    at home?", and a lesson keyed by the correction would never be retrieved for the next such
+    request; nor one keyed by "Thank you!", which a user said to the wrong answer before correcting
+    it (the noisy profile's lessons were keyed so)."""
     return _asked(_asks(messages))
 
 
@@ -133,7 +135,7 @@ def _asks(messages: Sequence[dict[str, Any]]) -> list[str]:
 def _asked(asks: Sequence[str]) -> str:
     """:func:`asked_text` over the user messages' texts."""
     for i in range(len(asks) - 1, 0, -1):
-        if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]):
+        if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]) and not is_acknowledgement(asks[i]):
             return asks[i]
     return asks[0] if asks else ""
 

@@ -568,3 +568,23 @@ def test_a_success_that_holds_only_the_requests_own_words_teaches_no_lesson():
     turn = SimpleNamespace(prompt_messages=[{"role": "user", "content": "Convert 40 celsius to fahrenheit."}],
                            tool_calls=[], next_state_kind=None, next_state=None)
     assert lesson_for(hint, [turn])[1] == "hint"
+
+
+def test_thanks_said_to_a_wrong_answer_before_the_correction_is_not_what_was_asked():
+    """"Thank you!" to a wrong answer, then "No, I meant Lisbon time.": the lesson is keyed by the
+    request, not by the thanks (a lesson keyed "Thank you!" is found for nothing the user asks)."""
+    from whet.learner.judge import is_acknowledgement
+    from whet.learner.lessons import asked_text
+
+    for said in ("Thank you!", "Perfect, thank you.", "That's right, thanks.", "Got it.", "Ok.", "Good to know."):
+        assert is_acknowledgement(said), said
+        messages = [{"role": "user", "content": "Is it late at home?"}, {"role": "assistant", "content": "9:00 in Paris."},
+                    {"role": "user", "content": said}, {"role": "assistant", "content": "You're welcome!"},
+                    {"role": "user", "content": "No, I meant Lisbon time."}]  # fmt: skip
+        assert asked_text(messages) == "Is it late at home?"
+    for request in ("Thanks! And the time in Paris?", "Great, now note that I'm out tomorrow.", "Okay, what is 2 plus 2?",
+                    "Thanks, but not Paris, Lisbon.", "What time is it in Tokyo?"):  # fmt: skip
+        assert not is_acknowledgement(request), request
+    followed = [{"role": "user", "content": "Is it late at home?"}, {"role": "assistant", "content": "9:00 in Lisbon."},
+                {"role": "user", "content": "Thanks! And the time in Paris?"}]  # fmt: skip
+    assert asked_text(followed) == "Thanks! And the time in Paris?"
