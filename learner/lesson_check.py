@@ -13,10 +13,9 @@ What it guards (both seen in bench runs): a user who thanks at random makes "cal
 was right" a lesson for a sum (one that put the note on a list: a call of the request's own words
 teaches none, :func:`~whet.learner.lessons.says_more`), and the next sum is noted instead of added;
 "the time at home: now(Lisbon) was right" made the model call the clock for "Which weekday is
-2027-02-15?". Pinned
-turns that would not be shown the lesson cost nothing: most lessons are checked against no turn or
-a few. A request pinned at two steps (its call, then the answer read off the call's result) is
-checked at both.
+2027-02-15?". Pinned turns that would not be shown the lesson cost nothing: most lessons are
+checked against no turn or a few. A request pinned at two steps (its call, then the answer read off
+the call's result) is checked at both.
 """
 
 from __future__ import annotations
