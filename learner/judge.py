@@ -288,7 +288,7 @@ def is_acknowledgement(reply: str) -> bool:
     """Whether ``reply`` only thanks or acknowledges ("Thank you!", "Perfect, thank you.", "Got it."):
     feedback on the answer before it, not a request of its own. A question ("Thanks! And in
     Paris?") or a longer sentence is a request, whatever thanks it opens with."""
-    text = _tidy(" ".join(reply.replace("\u2019", "'").split()))
+    text = _tidy(reply.replace("\u2019", "'"))  # _tidy collapses the whitespace
     if not text or "?" in reply or len(re.findall(r"\w+", text)) > ACKNOWLEDGEMENT_WORDS:
         return False
     return bool(_ACKNOWLEDGED.match(text)) or (bool(_PRAISE.search(text)) and correction_hint(reply) is None)
