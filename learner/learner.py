@@ -81,6 +81,7 @@ from whet.learner.prompt import (
     last_user_text,
     parse_arguments,
     relessoned,
+    shown_lessons,
     split_tool_calls,
 )
 from whet.learner.registry import AdapterRegistry
@@ -678,6 +679,8 @@ class Learner:
             messages, prompt_ids = relessoned(trainer.tokenizer, messages, prompt_ids, lessons) or (messages, prompt_ids)
         if _reads_tool_results(turn):  # learns from success only (:func:`_taught_hint`)
             score = max(score, 0)
+        if score < 0 and copied_from_lessons(trainer.tokenizer, turn.response_token_ids, messages):
+            score = 0  # a lesson misled it: its hint, if any, teaches the right call; no negative on copying
         teacher = None
         if hint:
             teacher = hinted_prompt_ids(trainer.tokenizer, messages, prompt_ids, hint)
@@ -857,6 +860,22 @@ def _called_values(tokenizer: Any, response: list[int]) -> set[str]:
     """The text values a rehearsal reply's calls pass (:func:`call_values`)."""
     _, calls, _ = split_tool_calls(tokenizer.decode(response))
     return {v for _, arguments in calls for v in call_values(arguments)}
+
+
+def copied_from_lessons(tokenizer: Any, response: list[int], messages: Sequence[dict[str, Any]]) -> set[str]:
+    """The text values ``response``'s calls pass that a lesson shown in ``messages`` spells, as a whole word.
+
+    A -1 on such a call says that the lesson it copied was another request's, not that copying a lesson is
+    wrong; but its evaluative negative pushes down the copied tokens in a prompt whose lesson spells them,
+    and what the weights learn from that is not to read lessons. Seen in ``whet bench learn`` (run BV,
+    bench/results/RUNS.md): a -1 on "What's the time back home?" answered with Sam's city, copied from
+    Sam's lesson, and from the next step on "What time is it at Sam's place?" was written
+    ``Sam's place`` beside three lessons saying Tokyo. Such a sample is trained with score 0
+    (:meth:`Learner._sample`): no RL term; its hint, when it has one, still teaches the right call."""
+    lessons = shown_lessons(messages).casefold()
+    if not lessons:
+        return set()
+    return {v for v in _called_values(tokenizer, response) if re.search(rf"(?<!\w){re.escape(v)}(?!\w)", lessons)}
 
 
 def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]],

@@ -185,6 +185,14 @@ def with_lessons(system: str, lessons: Sequence[str]) -> str:
     return system + LESSONS_HEADER + "\n".join(f"- {t}" for t in lessons) if lessons else system
 
 
+def shown_lessons(messages: Sequence[dict[str, Any]]) -> str:
+    """The lessons ``messages``' system prompt shows (:func:`with_lessons`), as one text; empty when none."""
+    if not messages or messages[0].get("role") != "system":
+        return ""
+    parts = content_text(messages[0].get("content")).split(LESSONS_HEADER, 1)
+    return parts[1] if len(parts) == 2 else ""
+
+
 def prompt_with_lessons(messages: Sequence[dict[str, Any]], lessons: Sequence[str],
                         default_system: str) -> list[dict[str, Any]]:  # fmt: skip
     """``messages`` as the model is sent them: their own system prompt (``default_system`` when they have

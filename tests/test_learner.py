@@ -784,6 +784,34 @@ async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now
         assert asked == [] and not any("Seoul" in p for p in prompts)
 
 
+def now_call(city: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "now", "arguments": {"timezone": city}}) + "\n</tool_call>"
+
+
+@pytest.mark.anyio
+async def test_a_wrong_call_that_copied_a_value_from_a_shown_lesson_trains_no_negative_but_keeps_its_hint(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    trained = []
+    sams = "When asked \"What time is it at Sam's place?\": calling now({\"timezone\": \"Tokyo\"}) was right"
+
+    async def recall(user_id: str, query: str) -> list[str]:
+        return [sams, "The user keeps notes on the homework list"]
+
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: trained.extend(samples) or {})
+    learner = make_learner(learner_config(batch_size=4), store, MemoryBus(), tiny_model, tmp_path, recall=recall)
+    encoder = new_trainer(tiny_model)
+    home, hint = "What's the time back home?", "The user meant Lisbon time"
+    copied = await judged_turn(store, encoder, home, now_call("Tokyo"), -1, "train", hint=hint)
+    made_up = await judged_turn(store, encoder, home, now_call("Paris"), -1, "train", hint=hint)
+    part_of_a_word = await judged_turn(store, encoder, home, now_call("work"), -1, "train")  # "homework" is not "work"
+    right = await judged_turn(store, encoder, "Time at Sam's?", now_call("Tokyo"), +1, "train")
+    await learner.train_ready()
+    assert {s.turn_id: s.score for s in trained} == {copied: 0, made_up: -1, part_of_a_word: -1, right: +1}
+    hinted = {s.turn_id for s in trained if s.teacher_prompt_ids}
+    assert hinted == {copied, made_up}  # the copied call's hint still teaches the right one
+
+
 @pytest.mark.anyio
 async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_batches_newest_first(
     tiny_model, tmp_path, store, monkeypatch
