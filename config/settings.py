@@ -358,6 +358,10 @@ class GateConfig(Section):
     check_lessons: bool = True
     # 2 (or anything over 1) holds back every lesson that breaks a pinned turn
     lesson_scope_margin: float = Field(0.15, ge=0.0)
+    # a lesson whose value a call copied into a request the user then corrected (the correction not naming
+    # that value) misled it: it is shown from then on only to requests lesson_scope_margin more similar to it
+    # than that one (learner.learner.misled_lessons). Needs the agent's lesson index: not under `whet learn` alone
+    narrow_misled: bool = True
 
 
 class RehearsalConfig(Section):

@@ -93,10 +93,10 @@ from whet.learner.trainer import (
     release_memory,
     training_threads,
 )
-from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, TURN_CLOSED, Bus
+from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, LESSON_DELETED, TURN_CLOSED, Bus
 from whet.memory.index import LessonIndex, recall
 from whet.memory.store import Store
-from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Turn
+from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Lesson, Turn
 
 # (user id, request) -> the lessons the agent would show it now
 Recall = Callable[[str, str], Awaitable[list[str]]]
@@ -115,6 +115,7 @@ class Progress:
     lessons: int = 0
     lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns about as close as their own request)
     lessons_narrowed: int = 0  # lessons it added narrowed (they broke pinned turns less close)
+    lessons_misled: int = 0  # lessons narrowed later: a call copied their value into a request the user corrected
     steps: int = 0
     promoted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -141,6 +142,7 @@ class Learner:
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         lesson_check: LessonCheck | None = None,
         recall: Recall | None = None,
+        index: LessonIndex | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
         if config.scope == "auto":  # WhetConfig resolves auto from server.api_keys; with none in sight, one user
@@ -171,6 +173,7 @@ class Learner:
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
         self._recall = recall if config.lessons and config.relesson else None
+        self._index = index if config.lessons and config.gate.narrow_misled else None  # for :meth:`_narrow_misled`
         self._on_step = on_step  # test hook: called in the training thread at named points
         self._limiter = anyio.CapacityLimiter(1)  # one training thread, never the event loop
         self._judging = anyio.Lock()
@@ -265,7 +268,7 @@ class Learner:
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
         return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held,
-                "lessons_narrowed": p.lessons_narrowed, "steps": p.steps,
+                "lessons_narrowed": p.lessons_narrowed, "lessons_misled": p.lessons_misled, "steps": p.steps,
                 "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
                 "busy": busy}  # fmt: skip
 
@@ -311,6 +314,7 @@ class Learner:
                 await self._credit(request, turn, verdict)
                 if self.config.lessons:
                     await self._lesson(request, verdict)
+                    await self._narrow_misled(request, verdict)
                 await self._watch_live(turn.user_id)
             return row
 
@@ -403,6 +407,29 @@ class Learner:
         lesson = await self.store.add_lesson(user_id, text, kind=kind, source_turn_id=request[-1].id, min_score=min_score)
         await self.bus.publish(LESSON_ADDED, {"lesson_id": lesson.id, "user_id": user_id})
         self.progress.lessons += 1
+
+    async def _narrow_misled(self, request: list[Turn], verdict: Verdict) -> None:
+        """Narrows each lesson that misled ``request`` (:func:`misled_lessons`; a -1 with the user's hint) as the
+        lesson check narrows one that breaks a pinned turn: shown from now on only to requests
+        ``learner.gate.lesson_scope_margin`` more similar to it than this one. Sam's city, copied from Sam's
+        lesson into "What's the time back home?", keeps reaching the ways of asking about Sam (0.8-0.9) and
+        no longer reaches home (bench run BV, bench/results/RUNS.md)."""
+        if self._index is None or verdict.score >= 0 or not verdict.hint:
+            return
+        user_id = request[-1].user_id
+        for lesson, asked in misled_lessons(request, verdict.hint, await self.store.list_lessons(user_id)):
+            score = await anyio.to_thread.run_sync(self._index.similarity, asked, lesson.text)
+            floor = score + self.config.gate.lesson_scope_margin
+            if lesson.id is None or (lesson.min_score is not None and lesson.min_score >= floor):
+                continue
+            narrowed = await self.store.narrow_lesson(lesson.id, floor)
+            if narrowed is None:  # deleted meanwhile
+                continue
+            await self.bus.publish(LESSON_DELETED, {"lesson_id": lesson.id})
+            await self.bus.publish(LESSON_ADDED, {"lesson_id": narrowed.id, "user_id": user_id})
+            log.info("lesson narrowed: a call copied it into a request the user corrected", user=user_id,
+                     lesson=lesson.text, request=asked, score=round(score, 3), min_score=round(floor, 3))  # fmt: skip
+            self.progress.lessons_misled += 1
 
     # -- training -------------------------------------------------------------
 
@@ -872,10 +899,35 @@ def copied_from_lessons(tokenizer: Any, response: list[int], messages: Sequence[
     Sam's lesson, and from the next step on "What time is it at Sam's place?" was written
     ``Sam's place`` beside three lessons saying Tokyo. Such a sample is trained with score 0
     (:meth:`Learner._sample`): no RL term; its hint, when it has one, still teaches the right call."""
-    lessons = shown_lessons(messages).casefold()
-    if not lessons:
-        return set()
-    return {v for v in _called_values(tokenizer, response) if re.search(rf"(?<!\w){re.escape(v)}(?!\w)", lessons)}
+    lessons = shown_lessons(messages)
+    return {v for v in _called_values(tokenizer, response) if _spells(lessons, v)} if lessons else set()
+
+
+def _spells(text: str, value: str) -> bool:
+    """Whether ``text`` holds ``value`` (casefolded, as :func:`call_values` gives it) as a whole word or words."""
+    return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text.casefold()) is not None
+
+
+def misled_lessons(request: Sequence[Turn], hint: str, lessons: Sequence[Lesson]) -> list[tuple[Lesson, str]]:
+    """The lessons among ``lessons`` that misled ``request``, which the user corrected with ``hint``, each with
+    the request's text: shown in the prompt of one of its calls, the lesson spells (as a whole word) a value
+    the call passed that neither the request nor the hint spells. That value came from the lesson, and it
+    was not what the user meant.
+
+    Not a lesson whose value the hint repeats (the call was wrong elsewhere), nor one the request itself
+    names; and a -1 without a hint says nothing of where the wrong value came from."""
+    found: dict[int, tuple[Lesson, str]] = {}
+    for turn in request:
+        values = {v for call in turn.tool_calls
+                  for v in call_values(parse_arguments((call.get("function") or {}).get("arguments")))}  # fmt: skip
+        asked = last_user_text(turn.prompt_messages)
+        copied = {v for v in values if not _spells(f"{asked}\n{hint}", v)}
+        shown = f"\n{shown_lessons(turn.prompt_messages)}\n"
+        for lesson in lessons:
+            if (lesson.id is not None and lesson.id not in found and f"\n- {lesson.text}\n" in shown
+                    and any(_spells(lesson.text, v) for v in copied)):
+                found[lesson.id] = (lesson, asked)
+    return list(found.values())
 
 
 def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]],
@@ -984,6 +1036,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         if rehearsal else None,
         lesson_check=check,
         recall=(lambda user_id, query: recall(index, config.agent, user_id, query)) if index is not None else None,
+        index=index,
     )
 
 

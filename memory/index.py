@@ -415,6 +415,10 @@ class LessonIndex:
         with self._lock:
             self._shelves, self._lessons = fresh._shelves, fresh._lessons
 
+    def similarity(self, query: str, text: str) -> float:
+        """Lesson ``text``'s cosine similarity to ``query``, as :meth:`search` scores it (indexed or not)."""
+        return float(self._embed([query])[0] @ self.lesson_vectors([text])[0])
+
     def lesson_vectors(self, texts: list[str]) -> np.ndarray:
         """Lesson ``texts`` embedded as the index stores them (by :func:`lesson_key`): ``[n, dim]``, unit rows."""
         return self._embed([lesson_key(text) for text in texts])

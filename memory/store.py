@@ -445,6 +445,25 @@ class Store:
 
         return await self._run(work)
 
+    async def narrow_lesson(self, lesson_id: int, min_score: float) -> Lesson | None:
+        """Lesson ``lesson_id`` again under a new id with ``min_score`` (:attr:`Lesson.min_score`), the old
+        row deleted, in one transaction; None when it is gone. A new id, not an update in place: a
+        replica that misses the bus events still finds both changes when it catches up (the new id
+        above its cursor, the old one missing from the store)."""
+
+        def work(db: Session) -> Lesson | None:
+            old = db.get(Lesson, lesson_id)
+            if old is None:
+                return None
+            row = Lesson(user_id=old.user_id, text=old.text, kind=old.kind, source_turn_id=old.source_turn_id,
+                         min_score=min_score, created_at=old.created_at)  # fmt: skip
+            db.delete(old)
+            db.add(row)
+            db.flush()
+            return row
+
+        return await self._run(work)
+
     async def get_lesson(self, lesson_id: int) -> Lesson | None:
         return await self._run(lambda db: db.get(Lesson, lesson_id))
 

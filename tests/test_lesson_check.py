@@ -236,3 +236,77 @@ async def test_whet_serve_checks_a_thanked_wrong_call_on_the_served_model_and_na
             before = len(backend.calls)
             assert (await client.post("/v1/chat/completions", json=chat_body(request))).status_code == 200
             assert ("add_note(" in backend.calls[before].messages[0]["content"]) is shown, request
+
+
+SAMS = 'When asked "What time is it at Sam\'s place?": calling now({"timezone": "Tokyo"}) was right.'
+
+
+def called(request: str, lessons: list[str], **arguments: Any) -> Any:
+    """A recorded call turn (what :func:`misled_lessons` reads of one): ``now(**arguments)`` for ``request``,
+    served with ``lessons``."""
+    from types import SimpleNamespace
+
+    from whet.learner.prompt import prompt_with_lessons
+
+    messages = prompt_with_lessons([{"role": "user", "content": request}], lessons, "You are whet.")
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": json.dumps(arguments)}}
+    return SimpleNamespace(prompt_messages=messages, tool_calls=[tool_call])
+
+
+def test_a_lesson_misled_a_corrected_call_only_where_the_call_copied_a_value_the_lesson_spells_and_the_user_did_not():
+    from whet.learner.learner import misled_lessons
+    from whet.memory.tables import Lesson
+
+    home = "What's the time back home?"
+    sams, work = Lesson(id=1, user_id="alice", text=SAMS), Lesson(id=2, user_id="alice", text="Notes go on my homework list.")
+    hint = 'The user meant "Lisbon time"'
+    assert misled_lessons([called(home, [SAMS, work.text], timezone="Tokyo")], hint, [sams, work]) == [(sams, home)]
+    for turn, said in ((called(home, [SAMS], timezone="Tokyo"), 'The user meant "Tokyo, not Osaka"'),  # the hint names it
+                       (called("What's the time in Tokyo?", [SAMS], timezone="Tokyo"), hint),  # the request names it
+                       (called(home, [], timezone="Tokyo"), hint),  # not shown: made up, not copied
+                       (called(home, [work.text], timezone="work"), hint)):  # "homework" is not "work"
+        assert misled_lessons([turn], said, [sams, work]) == []
+
+
+@pytest.mark.anyio
+async def test_whet_serve_narrows_a_lesson_a_corrected_call_copied_away_from_that_request(tmp_path):
+    """Sam's city, copied from Sam's lesson into a question about home, and corrected: the lesson is stored
+    again narrowed (a new id, the old one dropped from the index through the bus), shown from then on to
+    Sam's request and no longer to home's."""
+    from test_api import chat_body, serve
+
+    from whet.runtime.scripted import ScriptedBackend
+
+    def model(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+        """Copies Tokyo from any lesson that spells it."""
+        if messages[-1]["role"] == "tool":
+            return "Done."
+        return call("now", timezone="Tokyo") if "Tokyo" in messages[0]["content"] else "Hello."
+
+    backend = ScriptedBackend(model)
+    home, sams = "What's the time back home?", "What time is it at Sam's place?"
+    learner = {"train": False, "gate": {"check_lessons": False}}
+    agent = {"lessons_min_score": 0.0, "lessons_margin": 2.0}  # the hashing embedder: every lesson is shown
+    async with serve(tmp_path, backend, learner=learner, agent=agent) as (client, res):
+        user = res.config.server.default_user
+        old = await res.store.add_lesson(user, SAMS, kind="success")
+        res.index.add(old.id, user, SAMS)
+        first = await client.post("/v1/chat/completions", json=chat_body(home))
+        assert first.status_code == 200, first.text
+        corrected = chat_body(home, first.json()["choices"][0]["message"]["content"], "No, I meant Lisbon time.")
+        assert (await client.post("/v1/chat/completions", json=corrected)).status_code == 200
+        await res.learner.catch_up()
+        with anyio.fail_after(60):
+            while (await res.learner.status())["busy"]:
+                await anyio.sleep(0.05)
+        [narrowed] = [lesson for lesson in await res.store.list_lessons(user) if lesson.text == SAMS]
+        assert narrowed.id != old.id and narrowed.kind == "success"
+        assert narrowed.min_score == pytest.approx(similarity(lesson_key(SAMS), home) + 0.15, abs=1e-5)
+        assert (await res.learner.status())["lessons_misled"] == 1
+        with anyio.fail_after(30):
+            while old.id in res.index.ids() or narrowed.id not in res.index.ids():
+                await anyio.sleep(0.05)
+        for request, shown in ((home, False), (sams, True)):
+            before = len(backend.calls)
+            assert (await client.post("/v1/chat/completions", json=chat_body(request))).status_code == 200
+            assert ("Tokyo" in backend.calls[before].messages[0]["content"]) is shown, request

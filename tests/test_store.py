@@ -342,7 +342,7 @@ async def test_text_with_nul_bytes_round_trips_on_postgresql(postgres_schema_url
 
 
 async def exercise_lesson_ids(store: Store) -> None:
-    """What a replica's follower compares its index against: the ids and a bounded count."""
+    """What a replica's follower compares its index against: the ids and a bounded count; a narrowed lesson."""
     first = await store.add_lesson("ida", "ida lives in Oslo")
     second = await store.add_lesson("ida", "ida walks")
     third = await store.add_lesson("jo", "jo reads")
@@ -351,6 +351,13 @@ async def exercise_lesson_ids(store: Store) -> None:
     assert await store.lesson_ids() == {first.id, third.id}
     assert await store.count_lessons(up_to=second.id) == 1
     assert await store.count_lessons(up_to=third.id) == 2
+    # narrowed: stored again under a new id (what a follower's catch-up sees: a new id, an old one gone)
+    narrowed = await store.narrow_lesson(first.id, 0.7)
+    assert narrowed.id > third.id and narrowed.min_score == 0.7
+    assert (narrowed.user_id, narrowed.text, narrowed.kind, narrowed.source_turn_id, narrowed.created_at) == (
+        first.user_id, first.text, first.kind, first.source_turn_id, first.created_at)
+    assert await store.lesson_ids() == {third.id, narrowed.id} and await store.get_lesson(first.id) is None
+    assert await store.narrow_lesson(second.id, 0.7) is None  # gone already
 
 
 async def test_lesson_ids_and_bounded_counts_on_sqlite(store):
