@@ -416,6 +416,8 @@ class Learner:
         no longer reaches home (bench run BV, bench/results/RUNS.md)."""
         if self._index is None or verdict.score >= 0 or not verdict.hint:
             return
+        if not any(turn.tool_calls and shown_lessons(turn.prompt_messages) for turn in request):
+            return  # no call was shown a lesson: nothing to read from the store
         user_id = request[-1].user_id
         for lesson, asked in misled_lessons(request, verdict.hint, await self.store.list_lessons(user_id)):
             score = await anyio.to_thread.run_sync(self._index.similarity, asked, lesson.text)
