@@ -94,7 +94,7 @@ from whet.learner.trainer import (
     training_threads,
 )
 from whet.memory.bus import BUS_RECONNECTED, FEEDBACK_ADDED, LESSON_ADDED, LESSON_DELETED, TURN_CLOSED, Bus
-from whet.memory.index import LessonIndex, recall
+from whet.memory.index import LessonIndex, lesson_said, recall
 from whet.memory.store import Store
 from whet.memory.tables import UNLEARNED_JUDGE, Adapter, Judgment, Lesson, Turn
 
@@ -905,6 +905,10 @@ def copied_from_lessons(tokenizer: Any, response: list[int], messages: Sequence[
     return {v for v in _called_values(tokenizer, response) if _spells(lessons, v)} if lessons else set()
 
 
+_QUOTED = re.compile(r'"([^"]+)"')  # the user's own words in a hint (learner.judge.CORRECTIONS quotes them)
+_WORD = re.compile(r"\w+")
+
+
 def _spells(text: str, value: str) -> bool:
     """Whether ``text`` holds ``value`` (casefolded, as :func:`call_values` gives it) as a whole word or words."""
     return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text.casefold()) is not None
@@ -912,22 +916,30 @@ def _spells(text: str, value: str) -> bool:
 
 def misled_lessons(request: Sequence[Turn], hint: str, lessons: Sequence[Lesson]) -> list[tuple[Lesson, str]]:
     """The lessons among ``lessons`` that misled ``request``, which the user corrected with ``hint``, each with
-    the request's text: shown in the prompt of one of its calls, the lesson spells (as a whole word) a value
-    the call passed that neither the request nor the hint spells. That value came from the lesson, and it
-    was not what the user meant.
+    the request's text: shown in the prompt of one of its calls, what the lesson says (:func:`lesson_said`)
+    spells, as a whole word, a value the call passed that neither the request nor the hint spells (so the
+    value came from the lesson, and it was not what the user meant), and none of the words the hint adds to
+    the request and the call (what the user meant instead: a lesson that says it agrees with them).
 
-    Not a lesson whose value the hint repeats (the call was wrong elsewhere), nor one the request itself
-    names; and a -1 without a hint says nothing of where the wrong value came from."""
+    Two of a reminder's lessons spell ``"kind": "todo"`` beside its list: one says the list the call wrote and
+    misled it, the other says the list the user meant and did not. A request that is itself a correction
+    is left alone (what it was shown was chosen for the correction's words), and a -1 without a hint says
+    nothing of where the wrong value came from."""
+    meant = set(_WORD.findall((" ".join(_QUOTED.findall(hint)) or hint).casefold()))
     found: dict[int, tuple[Lesson, str]] = {}
     for turn in request:
+        if answers_correction(turn):
+            continue
         values = {v for call in turn.tool_calls
                   for v in call_values(parse_arguments((call.get("function") or {}).get("arguments")))}  # fmt: skip
         asked = last_user_text(turn.prompt_messages)
         copied = {v for v in values if not _spells(f"{asked}\n{hint}", v)}
+        instead = meant - set(_WORD.findall(f"{asked} {' '.join(values)}".casefold()))
         shown = f"\n{shown_lessons(turn.prompt_messages)}\n"
         for lesson in lessons:
+            said = lesson_said(lesson.text)
             if (lesson.id is not None and lesson.id not in found and f"\n- {lesson.text}\n" in shown
-                    and any(_spells(lesson.text, v) for v in copied)):
+                    and any(_spells(said, v) for v in copied) and not any(_spells(said, w) for w in instead)):
                 found[lesson.id] = (lesson, asked)
     return list(found.values())
 

@@ -171,6 +171,13 @@ def lesson_key(text: str) -> str:
     return match.group("asked") if match else text
 
 
+def lesson_said(text: str) -> str:
+    """What lesson ``text`` says, without the request it names (:data:`LESSON_ASKED`): ``calling now({...}) was
+    right.``, ``The user meant "..."``; a lesson written by hand is all said."""
+    match = _ASKED.match(text)
+    return text[match.end():] if match else text
+
+
 @dataclass(frozen=True)
 class LessonHit:
     lesson_id: int

@@ -250,7 +250,7 @@ def called(request: str, lessons: list[str], **arguments: Any) -> Any:
 
     messages = prompt_with_lessons([{"role": "user", "content": request}], lessons, "You are whet.")
     tool_call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": json.dumps(arguments)}}
-    return SimpleNamespace(prompt_messages=messages, tool_calls=[tool_call])
+    return SimpleNamespace(prompt_messages=messages, tool_calls=[tool_call], step=0)
 
 
 def test_a_lesson_misled_a_corrected_call_only_where_the_call_copied_a_value_the_lesson_spells_and_the_user_did_not():
@@ -261,6 +261,18 @@ def test_a_lesson_misled_a_corrected_call_only_where_the_call_copied_a_value_the
     sams, work = Lesson(id=1, user_id="alice", text=SAMS), Lesson(id=2, user_id="alice", text="Notes go on my homework list.")
     hint = 'The user meant "Lisbon time"'
     assert misled_lessons([called(home, [SAMS, work.text], timezone="Tokyo")], hint, [sams, work]) == [(sams, home)]
+    # a reminder written to the work list, the user meaning errands: both lessons spell "todo", one says errands
+    said = {"list_name": "work", "text": "order new glasses", "kind": "todo"}
+    misled, right = (Lesson(id=n, user_id="alice", text=f'When asked "{asked}": calling add_note('
+                            f'{json.dumps({**said, "list_name": name, "text": asked[13:-1]})}) was right.')
+                     for n, (asked, name) in enumerate((("Remind me to call the bank.", "work"),
+                                                        ("Remind me to buy a plant.", "errands")), 3))  # fmt: skip
+    remind = "Remind me to order new glasses."
+    errands = 'The user meant "on my errands list"'
+    assert misled_lessons([called(remind, [misled.text, right.text], **said)], errands, [misled, right]) == [
+        (misled, remind)]
+    # the same call answering a correction: what it was shown was chosen for the correction's words
+    assert misled_lessons([called("No, I meant on my errands list.", [misled.text], **said)], errands, [misled]) == []
     for turn, said in ((called(home, [SAMS], timezone="Tokyo"), 'The user meant "Tokyo, not Osaka"'),  # the hint names it
                        (called("What's the time in Tokyo?", [SAMS], timezone="Tokyo"), hint),  # the request names it
                        (called(home, [], timezone="Tokyo"), hint),  # not shown: made up, not copied
