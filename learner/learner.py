@@ -542,8 +542,7 @@ class Learner:
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
-        passed = {v for _, t in turns for c in t.tool_calls
-                  for v in call_values(parse_arguments(c.get("function", {}).get("arguments")))}  # fmt: skip
+        passed = {v for _, t in turns for v in turn_call_values(t)}
         rehearsal = self._rehearsal_for(version, called, passed)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
@@ -876,6 +875,12 @@ def call_values(arguments: Any) -> set[str]:
     return {v.strip().casefold() for v in argument_values(arguments) if v.strip() and not _NUMBER.fullmatch(v.strip())}
 
 
+def turn_call_values(turn: Turn) -> set[str]:
+    """The text values the calls a recorded ``turn`` made pass (:func:`call_values`)."""
+    return {v for call in turn.tool_calls
+            for v in call_values(parse_arguments((call.get("function") or {}).get("arguments")))}  # fmt: skip
+
+
 _CALLED = re.compile(r'"name":\s*"([^"]+)"')
 
 
@@ -930,8 +935,7 @@ def misled_lessons(request: Sequence[Turn], hint: str, lessons: Sequence[Lesson]
     for turn in request:
         if answers_correction(turn):
             continue
-        values = {v for call in turn.tool_calls
-                  for v in call_values(parse_arguments((call.get("function") or {}).get("arguments")))}  # fmt: skip
+        values = turn_call_values(turn)
         asked = last_user_text(turn.prompt_messages)
         copied = {v for v in values if not _spells(f"{asked}\n{hint}", v)}
         instead = meant - set(_WORD.findall(f"{asked} {' '.join(values)}".casefold()))
