@@ -358,6 +358,12 @@ class GateConfig(Section):
     check_lessons: bool = True
     # 2 (or anything over 1) holds back every lesson that breaks a pinned turn
     lesson_scope_margin: float = Field(0.15, ge=0.0)
+    # more general turns (the regression set's format) of which the check also asks the lesson_probes_asked most
+    # similar to a new lesson: look-alikes the pinned set lacks (its three calls an intent held no distance
+    # conversion, and a lesson about "How much is 10 km?" made "Convert 25 miles to km." an answer in feet);
+    # "bundled" = the shipped probes (config/lesson_probes.jsonl); null = the pinned turns alone
+    lesson_probes: str | None = "bundled"
+    lesson_probes_asked: int = Field(3, ge=0)
     # a lesson whose value a call copied into a request the user then corrected (the correction not naming
     # that value) misled it: it is shown from then on only to requests lesson_scope_margin more similar to it
     # than that one (learner.learner.misled_lessons). Needs the agent's lesson index: not under `whet learn` alone

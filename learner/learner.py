@@ -1001,6 +1001,9 @@ def check_config(config: WhetConfig, *, standalone: bool) -> None:
     rehearsal = rehearsal_path(learner.rehearsal.set)
     if rehearsal is not None and not rehearsal.is_file():
         raise ConfigError("learner.rehearsal.set", f"{rehearsal} does not exist", "point it at a JSONL file or null")
+    probes = regression_path(learner.gate.lesson_probes, "lesson_probes.jsonl")
+    if probes is not None and not probes.is_file():
+        raise ConfigError("learner.gate.lesson_probes", f"{probes} does not exist", "point it at a JSONL file or null")
 
 
 def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel | None = None,
@@ -1038,7 +1041,9 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
     check = None
     if learner.gate.check_lessons and learner.lessons and pinned:
         if index is not None and generate is not None:
-            check = LessonCheck(pinned, index, config.agent, generate)
+            probes = regression_path(learner.gate.lesson_probes, "lesson_probes.jsonl")
+            probe_turns = pinned_turns(read_records(probes, "learner.gate.lesson_probes")) if probes else []
+            check = LessonCheck(pinned, index, config.agent, generate, probe_turns, learner.gate.lesson_probes_asked)
         else:
             log.info("lessons are added unchecked: the lesson check needs the served model (whet serve)")
     return Learner(

@@ -7,7 +7,9 @@ retrieval rule, :func:`~whet.memory.index.shown`, over the user's lessons and th
 served model answers it greedily with the lesson in its prompt. A turn answered wrong with the
 lesson and right without it is a turn the lesson broke. Such a lesson is added narrowed
 (:func:`narrowed`): shown only to requests closer to it, by a margin, than any turn it broke; one
-that broke a turn about as close as its own request is not added.
+that broke a turn about as close as its own request is not added. Beside the pinned turns, the check asks
+the few lesson probes (more general calls, ``learner.gate.lesson_probes``) most similar to the lesson: three
+pinned calls an intent cannot hold a look-alike of every lesson. Its replies are asked all at once.
 
 What it guards (both seen in bench runs): a user who thanks at random makes "calling add_note(...)
 was right" a lesson for a sum (one that put the note on a list: a call of the request's own words
@@ -61,41 +63,68 @@ def narrowed(broken: Sequence[Broken], margin: float) -> float | None:
 
 
 class LessonCheck:
-    def __init__(self, pinned: Sequence[PinnedTurn], index: LessonIndex, agent: AgentConfig, generate: Generate) -> None:
+    """``probes``: more general turns (the lesson probes, ``learner.gate.lesson_probes``), of which only the
+    ``nearest`` most similar to a lesson are asked beside the pinned turns: a wide net of look-alikes at the
+    cost of a few greedy replies a lesson."""
+
+    def __init__(self, pinned: Sequence[PinnedTurn], index: LessonIndex, agent: AgentConfig, generate: Generate,
+                 probes: Sequence[PinnedTurn] = (), nearest: int = 0) -> None:  # fmt: skip
         self.pinned = list(pinned)
+        self.probes = list(probes)
+        self.nearest = nearest if self.probes else 0
         self.index = index
         self.agent = agent
         self.generate = generate
-        self._requests = [last_user_text(turn.messages) for turn in self.pinned]
-        self._vectors: np.ndarray | None = None  # the pinned requests embedded, once
+        self._turns = self.pinned + self.probes
+        self._requests = [last_user_text(turn.messages) for turn in self._turns]
+        self._vectors: np.ndarray | None = None  # the pinned and probe requests embedded, once
 
     async def broken(self, user_id: str, text: str) -> list[Broken]:
         """The pinned turns that lesson ``text`` (not yet added) breaks for ``user_id``, closest first;
         empty when it breaks none."""
-        if not self.pinned or self.agent.lessons_k == 0:
+        if not self._turns or self.agent.lessons_k == 0:
             return []
         scores = await anyio.to_thread.run_sync(self._scores, text)
-        broken = []
-        for turn, request, score in zip(self.pinned, self._requests, scores.tolist(), strict=True):
+        asked = list(range(len(self.pinned)))
+        if self.nearest:  # the probes nearest the lesson, closest first
+            asked += sorted(range(len(self.pinned), len(self._turns)), key=lambda i: -scores[i])[: self.nearest]
+        shown = []  # (turn, request, score, lessons with the new one, lessons without it)
+        for i in asked:
+            turn, request, score = self._turns[i], self._requests[i], float(scores[i])
             if score < self.agent.lessons_min_score or not request:
                 continue
             hits = await anyio.to_thread.run_sync(self.index.search, user_id, request, self.agent.lessons_k)
             new = LessonHit(-1, user_id, text, score)
             with_it = agent_shown(self.agent, sorted([*hits, new], key=lambda h: -h.score)[: self.agent.lessons_k])
-            if new not in with_it:
-                continue
-            reply = await self._answer(user_id, turn, with_it)
-            if turn.action.kept(reply) or not turn.action.kept(await self._answer(user_id, turn, agent_shown(self.agent, hits))):
-                continue
-            broken.append(Broken(request, reply.strip(), score))
+            if new in with_it:
+                shown.append((turn, request, score, with_it, agent_shown(self.agent, hits)))
+        # asked together, as the server decodes concurrent requests in one batch: with the lesson, then,
+        # where that went wrong, without it
+        replies = await self._answers(user_id, [(turn, with_it) for turn, _, _, with_it, _ in shown])
+        wrong = [(s, reply) for s, reply in zip(shown, replies, strict=True) if not s[0].action.kept(reply)]
+        alone = await self._answers(user_id, [(s[0], s[4]) for s, _ in wrong])
+        broken = [Broken(s[1], reply.strip(), s[2])
+                  for (s, reply), without in zip(wrong, alone, strict=True) if s[0].action.kept(without)]  # fmt: skip
         return sorted(broken, key=lambda b: -b.score)
 
     def _scores(self, text: str) -> np.ndarray:
-        """Cosine similarity of lesson ``text``, as the index stores it, to each pinned request, as the
-        index scores a search."""
+        """Cosine similarity of lesson ``text``, as the index stores it, to each pinned and probe request, as
+        the index scores a search."""
         if self._vectors is None:
             self._vectors = self.index.embedder.embed(self._requests)  # [n, d], unit rows
         return self._vectors @ self.index.lesson_vectors([text])[0]  # [n]
+
+    async def _answers(self, user_id: str, asked: Sequence[tuple[PinnedTurn, Sequence[LessonHit]]]) -> list[str]:
+        """:meth:`_answer` of each (turn, lessons) of ``asked``, all at once; in ``asked``'s order."""
+        replies = [""] * len(asked)
+
+        async def one(i: int) -> None:
+            replies[i] = await self._answer(user_id, *asked[i])
+
+        async with anyio.create_task_group() as group:
+            for i in range(len(asked)):
+                group.start_soon(one, i)
+        return replies
 
     async def _answer(self, user_id: str, turn: PinnedTurn, lessons: Sequence[LessonHit]) -> str:
         """The served model's greedy reply to ``turn`` with ``lessons`` in its system prompt, as the agent

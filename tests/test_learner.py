@@ -370,13 +370,17 @@ def test_opening_odds_say_how_much_likelier_a_first_token_is_than_any_other(tiny
         assert (got > 0) == (greedy == 5)
 
 
-def test_a_missing_rehearsal_set_is_a_config_error_naming_it(tmp_path):
+def test_a_missing_rehearsal_set_or_lesson_probes_file_is_a_config_error_naming_it(tmp_path):
     from whet.config.settings import ConfigError, WhetConfig
     from whet.learner.learner import check_config
 
     config = WhetConfig.model_validate({"learner": {"rehearsal": {"set": str(tmp_path / "none.jsonl")}}})
     with pytest.raises(ConfigError, match="learner.rehearsal.set"):
         check_config(config, standalone=False)
+    config = WhetConfig.model_validate({"learner": {"gate": {"lesson_probes": str(tmp_path / "none.jsonl")}}})
+    with pytest.raises(ConfigError, match="learner.gate.lesson_probes"):
+        check_config(config, standalone=False)
+    check_config(WhetConfig.model_validate({"learner": {"gate": {"lesson_probes": None}}}), standalone=False)
 
 
 def test_a_step_from_a_saved_version_drops_its_momentum_when_told(tiny_model, tmp_path):

@@ -41,6 +41,9 @@ def pinned(request: str, response: str) -> PinnedTurn:
 PINNED = [pinned("What's 37 plus 15?", call("calculate", expression="37 + 15")),
           pinned("What time is it in Moscow?", call("now", timezone="Moscow")),
           pinned("Hello!", "Hello! How can I help?")]  # fmt: skip
+PROBES = [pinned("What's 12 plus 90?", call("calculate", expression="12 + 90")),
+          pinned("What's 37 plus 16?", call("calculate", expression="37 + 16")),
+          pinned("Good morning!", "Good morning! How can I help?")]  # fmt: skip
 
 
 class Model:
@@ -59,7 +62,7 @@ class Model:
             return call("add_note", text=request)
         if self.copies and "now(" in system:
             return call("now", timezone="Lisbon")
-        return next(t.response for t in PINNED if last_user_text(t.messages) == request)
+        return next(t.response for t in PINNED + PROBES if last_user_text(t.messages) == request)
 
 
 def check_with(model: Model, *lessons: str, **agent: Any) -> LessonCheck:
@@ -119,6 +122,43 @@ async def test_a_lesson_shown_below_the_closest_by_more_than_the_margin_is_not_c
     model = Model()
     assert await check_with(model, exact).broken("alice", NOTE_SUM) == []
     assert model.asked == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("nearest", [0, 1, 3])
+async def test_the_check_also_asks_the_probes_nearest_the_lesson_and_asks_them_together(nearest):
+    """Beside every pinned turn, the ``nearest`` lesson probes most similar to the lesson: "What's 37 plus 16?"
+    first, then "What's 12 plus 90?" ("Good morning!" is below the retrieval floor, so never asked). The
+    replies with the lesson are asked at once (the server decodes them in one batch), then, for the ones it
+    made wrong, the replies without it."""
+    index = LessonIndex(HashingEmbedder())
+    near, far, chat = (index.similarity(q, NOTE_SUM) for q in ("What's 37 plus 16?", "What's 12 plus 90?", "Good morning!"))
+    assert near > far >= 0.3 > chat  # the premise, as the check scores them: by the request the lesson names
+    model = Concurrent()
+    broken = await LessonCheck(PINNED, index, AgentConfig(), model, PROBES, nearest).broken("alice", NOTE_SUM)
+    expected = {0: ["What's 37 plus 15?"], 1: ["What's 37 plus 15?", "What's 37 plus 16?"],
+                3: ["What's 37 plus 15?", "What's 37 plus 16?", "What's 12 plus 90?"]}[nearest]
+    assert sorted(b.request for b in broken) == sorted(expected)
+    assert [b.score for b in broken] == sorted((b.score for b in broken), reverse=True)  # closest first
+    assert "Good morning!" not in [request for request, _ in model.asked]
+    assert model.most == len(expected)  # every reply with the lesson was asked at once, then every one without
+
+
+class Concurrent(Model):
+    """:class:`Model`, counting the most requests it was asked at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.most = 0
+
+    async def __call__(self, *args: Any) -> str:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        await anyio.sleep(0.01)
+        try:
+            return await super().__call__(*args)
+        finally:
+            self.now -= 1
 
 
 def test_the_bundled_regression_set_loads_as_pinned_turns_in_its_order():

@@ -255,6 +255,19 @@ def test_the_shipped_rehearsal_set_is_generated_and_shares_no_request_with_the_r
     assert len(calls) >= 16 and len(chats) >= 12
 
 
+def test_the_shipped_lesson_probes_are_generated_general_calls_that_neither_other_set_holds():
+    from whet.world.regression import asked, line, probe_records, records, rehearsal_records
+
+    shipped = (Path(__file__).parents[1] / "config" / "lesson_probes.jsonl").read_text().splitlines()
+    probes = [json.loads(text) for text in shipped]
+    assert shipped == [line(r) for r in probe_records()]
+    assert not {asked(r) for r in probes} & ({asked(r) for r in records()} | {asked(r) for r in rehearsal_records()})
+    assert all(r["response"].startswith("<tool_call>") and r["messages"][-1]["role"] == "user" for r in probes)
+    called = {json.loads(r["response"].split("\n")[1])["name"] for r in probes}
+    assert called == {"now", "calculate", "convert", "add_note", "weekday", "days_between", "add_to_date"}
+    assert len(probes) >= 64
+
+
 @pytest.mark.parametrize("profile", [PROFILE, load_profile(Path("config/profiles/commuter.yaml"))],
                          ids=lambda p: p.name)
 def test_the_users_first_personal_requests_touch_every_preference_once_each_person_included(profile):

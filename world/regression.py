@@ -121,6 +121,7 @@ REHEARSAL_CHATS = (
 REHEARSAL_CALLS = 24  # general tasks per intent in the rehearsal set, over the warm start's wide vocabulary: a
 # step draws a third of its items from the tools its batch called, and six per intent over the users' vocabulary
 # (six cities) let an adapter keep those six calls and still write one user's home into every other city (run O)
+PROBE_CALLS = 12  # general calls per intent in the lesson probes: the check asks only the few nearest each lesson
 
 
 def records(seed: int = 0) -> Iterator[dict[str, Any]]:
@@ -138,6 +139,18 @@ def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS, vocab), pinned)
 
 
+def probe_records(seed: int = 0) -> Iterator[dict[str, Any]]:
+    """The lesson probes' records, deterministic per seed: :data:`PROBE_CALLS` general calls per intent over
+    the warm start's wide vocabulary (no answer steps, no chats), none of them a request of the regression
+    or the rehearsal set. The lesson check asks the ones nearest a new lesson beside the pinned turns
+    (``learner.gate.lesson_probes``): the pinned set has three calls per intent, too few to hold a
+    look-alike of every lesson (bench run CC: "Convert 25 miles to km." answered in feet beside a lesson
+    about "How much is 10 km?", with no distance conversion pinned)."""
+    seen = {asked(r) for r in records(seed)} | {asked(r) for r in rehearsal_records(seed)}
+    vocab = training_vocabulary(pinned_zones=True)
+    yield from _distinct(_records(random.Random(f"probes:{seed}"), PROBE_CALLS, (), vocab, answers=0), seen)
+
+
 def asked(record: dict[str, Any]) -> str:
     """What a record asks (its messages), as a key: the two sets share none."""
     return json.dumps(record["messages"], sort_keys=True)
@@ -153,7 +166,7 @@ def _distinct(records: Iterator[dict[str, Any]], seen: set[str] | None = None) -
 
 
 def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], ...],
-             vocab: Vocabulary) -> Iterator[dict[str, Any]]:
+             vocab: Vocabulary, answers: int = ANSWERS) -> Iterator[dict[str, Any]]:
     system = AgentConfig().system_prompt
     profile = load_profile()  # general tasks need no preference: any profile makes the same ones
     with tempfile.TemporaryDirectory(prefix="whet-regression-") as folder:
@@ -165,7 +178,7 @@ def _records(rng: random.Random, per_intent: int, chats: tuple[tuple[str, str], 
                 arguments = json.dumps(dict(task.call.arguments), ensure_ascii=False)
                 call_text = f'<tool_call>\n{{"name": "{task.call.name}", "arguments": {arguments}}}\n</tool_call>'
                 yield {"messages": messages, "tools": tools.specs, "response": call_text}
-                if i < ANSWERS:
+                if i < answers:
                     result = tools.call(task.call)
                     call = {"id": f"call_{i}", "type": "function",
                             "function": {"name": task.call.name, "arguments": arguments}}  # fmt: skip
@@ -188,8 +201,9 @@ def line(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rehearsal = "--rehearsal" in (sys.argv[1:] if argv is None else argv)
-    for record in rehearsal_records() if rehearsal else records():
+    args = sys.argv[1:] if argv is None else argv
+    made = rehearsal_records() if "--rehearsal" in args else probe_records() if "--probes" in args else records()
+    for record in made:
         sys.stdout.write(line(record) + "\n")
     return 0
 
