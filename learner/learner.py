@@ -116,6 +116,7 @@ class Progress:
     lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns about as close as their own request)
     lessons_narrowed: int = 0  # lessons it added narrowed (they broke pinned turns less close)
     lessons_misled: int = 0  # lessons narrowed later: a call copied their value into a request the user corrected
+    lesson_check_s: float = 0.0  # wall seconds the lesson check took, summed (the served model's greedy replies)
     steps: int = 0
     promoted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -268,7 +269,8 @@ class Learner:
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
         return {"judged": p.judged, "lessons": p.lessons, "lessons_held": p.lessons_held,
-                "lessons_narrowed": p.lessons_narrowed, "lessons_misled": p.lessons_misled, "steps": p.steps,
+                "lessons_narrowed": p.lessons_narrowed, "lessons_misled": p.lessons_misled,
+                "lesson_check_s": round(p.lesson_check_s, 1), "steps": p.steps,
                 "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
                 "busy": busy}  # fmt: skip
 
@@ -389,11 +391,14 @@ class Learner:
             return
         min_score = None
         if self._lesson_check is not None:
+            started = time.perf_counter()
             try:
                 broken = await self._lesson_check.broken(user_id, text)
             except Exception as exc:  # the served model unreachable: the lesson is not lost over its guard
                 log.warning("lesson check failed; the lesson is added unchecked", lesson=text, error=repr(exc))
                 broken = []
+            finally:
+                self.progress.lesson_check_s += time.perf_counter() - started
             if broken:
                 min_score = narrowed(broken, self.config.gate.lesson_scope_margin)
                 if min_score is None:

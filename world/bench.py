@@ -209,6 +209,7 @@ class ArmResult:
     lessons_held: int = 0  # lessons the lesson check kept out (they broke pinned turns about as close as their own request)
     lessons_narrowed: int = 0  # lessons it added narrowed (shown only to requests closer than the turns they broke)
     lessons_misled: int = 0  # lessons narrowed later, away from a request they misled (the user corrected the copy)
+    lesson_check_s: float = 0.0  # wall seconds the lesson check took (learner.gate.check_lessons)
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
     steps: int = 0  # training steps made (candidates, whatever the gate decided)
@@ -248,6 +249,7 @@ class ArmResult:
             "lessons_held": self.lessons_held,
             "lessons_narrowed": self.lessons_narrowed,
             "lessons_misled": self.lessons_misled,
+            "lesson_check_s": self.lesson_check_s,
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
             "steps": self.steps,
@@ -320,6 +322,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result.lessons_held = learner.get("lessons_held", 0)
     result.lessons_narrowed = learner.get("lessons_narrowed", 0)
     result.lessons_misled = learner.get("lessons_misled", 0)
+    result.lesson_check_s = learner.get("lesson_check_s", 0.0)
     result.adapter = health.get("adapter")
     if learner:
         result.steps, result.step_seconds = step_time(client.learning().get("adapters") or [])
