@@ -7,9 +7,9 @@ retrieval rule, :func:`~whet.memory.index.shown`, over the user's lessons and th
 served model answers it greedily with the lesson in its prompt. A turn answered wrong with the
 lesson and right without it is a turn the lesson broke. Such a lesson is added narrowed
 (:func:`narrowed`): shown only to requests closer to it, by a margin, than any turn it broke; one
-that broke a turn about as close as its own request is not added. Beside the pinned turns, the check asks
-the few lesson probes (more general calls, ``learner.gate.lesson_probes``) most similar to the lesson: three
-pinned calls an intent cannot hold a look-alike of every lesson. Its replies are asked all at once.
+that broke a turn about as close as its own request is not added. Beside the pinned turns, the check can ask
+the few lesson probes (more general calls, ``learner.gate.lesson_probes_asked``; off by default) most similar to
+the lesson. Its replies are asked all at once.
 
 What it guards (both seen in bench runs): a user who thanks at random makes "calling add_note(...)
 was right" a lesson for a sum (one that put the note on a list: a call of the request's own words

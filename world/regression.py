@@ -142,10 +142,10 @@ def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
 def probe_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The lesson probes' records, deterministic per seed: :data:`PROBE_CALLS` general calls per intent over
     the warm start's wide vocabulary (no answer steps, no chats), none of them a request of the regression
-    or the rehearsal set. The lesson check asks the ones nearest a new lesson beside the pinned turns
-    (``learner.gate.lesson_probes``): the pinned set has three calls per intent, too few to hold a
-    look-alike of every lesson (bench run CC: "Convert 25 miles to km." answered in feet beside a lesson
-    about "How much is 10 km?", with no distance conversion pinned)."""
+    or the rehearsal set. The lesson check can ask the ones nearest a new lesson beside the pinned turns
+    (``learner.gate.lesson_probes_asked``, off by default): the pinned set has three calls per intent, too
+    few to hold a look-alike of every lesson (bench run CC: "Convert 25 miles to km." answered in feet
+    beside a lesson about "How much is 10 km?", with no distance conversion pinned)."""
     seen = {asked(r) for r in records(seed)} | {asked(r) for r in rehearsal_records(seed)}
     vocab = training_vocabulary(pinned_zones=True)
     yield from _distinct(_records(random.Random(f"probes:{seed}"), PROBE_CALLS, (), vocab, answers=0), seen)
