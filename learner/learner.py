@@ -1047,8 +1047,9 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
     if learner.gate.check_lessons and learner.lessons and pinned:
         if index is not None and generate is not None:
             probes = regression_path(learner.gate.lesson_probes, "lesson_probes.jsonl")
-            probe_turns = pinned_turns(read_records(probes, "learner.gate.lesson_probes")) if probes else []
-            check = LessonCheck(pinned, index, config.agent, generate, probe_turns, learner.gate.lesson_probes_asked)
+            asked = learner.gate.lesson_probes_asked
+            probe_turns = pinned_turns(read_records(probes, "learner.gate.lesson_probes")) if probes and asked else []
+            check = LessonCheck(pinned, index, config.agent, generate, probe_turns, asked)
         else:
             log.info("lessons are added unchecked: the lesson check needs the served model (whet serve)")
     return Learner(

@@ -15,7 +15,8 @@ calling tools for general requests and answering small talk in words. The two se
 request, so the gate's check stays a check of what training did not see.
 
 The shipped files are this module's output (``python -m whet.world.regression > config/regression.jsonl``,
-``python -m whet.world.regression --rehearsal > config/rehearsal.jsonl``); a test checks that they agree. Each line is ``{"messages", "tools", "response"}`` in OpenAI shapes:
+``python -m whet.world.regression --rehearsal > config/rehearsal.jsonl``, and the lesson check's optional probes,
+``python -m whet.world.regression --probes > config/lesson_probes.jsonl``); a test checks that they agree. Each line is ``{"messages", "tools", "response"}`` in OpenAI shapes:
 the response is the assistant's text as the chat template writes it (a Hermes ``<tool_call>``
 block for a call).
 """
