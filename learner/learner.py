@@ -992,6 +992,11 @@ def rehearsal_path(setting: str | None) -> Path | None:
     return regression_path(setting, "rehearsal.jsonl")
 
 
+def lesson_probes_path(setting: str | None) -> Path | None:
+    """``learner.gate.lesson_probes`` as a file: ``bundled`` is the shipped lesson probes."""
+    return regression_path(setting, "lesson_probes.jsonl")
+
+
 def check_config(config: WhetConfig, *, standalone: bool) -> None:
     """Raise ConfigError for learner settings that cannot work (checked before a server binds).
 
@@ -1006,7 +1011,7 @@ def check_config(config: WhetConfig, *, standalone: bool) -> None:
     rehearsal = rehearsal_path(learner.rehearsal.set)
     if rehearsal is not None and not rehearsal.is_file():
         raise ConfigError("learner.rehearsal.set", f"{rehearsal} does not exist", "point it at a JSONL file or null")
-    probes = regression_path(learner.gate.lesson_probes, "lesson_probes.jsonl")
+    probes = lesson_probes_path(learner.gate.lesson_probes)
     if probes is not None and not probes.is_file():
         raise ConfigError("learner.gate.lesson_probes", f"{probes} does not exist", "point it at a JSONL file or null")
 
@@ -1046,7 +1051,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
     check = None
     if learner.gate.check_lessons and learner.lessons and pinned:
         if index is not None and generate is not None:
-            probes = regression_path(learner.gate.lesson_probes, "lesson_probes.jsonl")
+            probes = lesson_probes_path(learner.gate.lesson_probes)
             asked = learner.gate.lesson_probes_asked
             probe_turns = pinned_turns(read_records(probes, "learner.gate.lesson_probes")) if probes and asked else []
             check = LessonCheck(pinned, index, config.agent, generate, probe_turns, asked)
