@@ -112,7 +112,7 @@ class LessonCheck:
         the index scores a search."""
         if self._vectors is None:
             self._vectors = self.index.embedder.embed(self._requests)  # [n, d], unit rows
-        return self._vectors @ self.index.lesson_vectors([text])[0]  # [n]
+        return self.index.scores(self._vectors, text)  # [n]
 
     async def _answers(self, user_id: str, asked: Sequence[tuple[PinnedTurn, Sequence[LessonHit]]]) -> list[str]:
         """:meth:`_answer` of each (turn, lessons) of ``asked``, all at once; in ``asked``'s order."""

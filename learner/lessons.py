@@ -12,12 +12,12 @@ its own values, and shown beside it the copy only misleads.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_acknowledgement, is_requery
 from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
-from whet.memory.index import LESSON_ASKED
+from whet.memory.index import LESSON_ASKED, argument_values
 from whet.memory.tables import Turn
 
 MAX_CHARS = 300
@@ -104,18 +104,6 @@ def ignores_correction(turn: Turn) -> bool:
 def _words(text: str) -> set[str]:
     """The words of ``text`` that can name something: numbers, and words of three letters or more."""
     return {w for w in re.findall(r"\w+", text.casefold()) if len(w) >= 3 or w.isdigit()}
-
-
-def argument_values(arguments: Any) -> Iterator[str]:
-    """Every value in a call's arguments (not the keys), as text."""
-    if isinstance(arguments, Mapping):
-        for value in arguments.values():
-            yield from argument_values(value)
-    elif isinstance(arguments, list):
-        for value in arguments:
-            yield from argument_values(value)
-    elif arguments is not None:
-        yield str(arguments)
 
 
 def asked_text(messages: Sequence[dict[str, Any]]) -> str:

@@ -10,7 +10,7 @@ import pytest
 from whet.config.settings import AgentConfig
 from whet.learner.lessons import lesson_text
 from whet.memory import HashingEmbedder, Lesson, LessonIndex, MiniLMEmbedder, open_embedder
-from whet.memory.index import agent_shown, lesson_key
+from whet.memory.index import agent_shown, called_values, lesson_key, lesson_keys
 
 LESSONS = [
     (1, "alice", "Alice lives in Berlin, so give times in the Europe/Berlin time zone."),
@@ -81,7 +81,35 @@ def test_a_learner_lesson_is_found_by_the_request_it_came_from_not_by_its_call(e
     assert hits[0].text == home  # the prompt shows the whole lesson
     # the lesson check scores a lesson against pinned requests by the same key
     request = index.embedder.embed(["What's the time where Dad is?"])[0]
-    assert index.lesson_vectors([dad])[0] @ request == pytest.approx(1.0, abs=1e-5)
+    assert index.scores(request[None, :], dad)[0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_lesson_is_also_found_by_its_request_less_what_its_calls_copied_from_it(minilm):
+    """jun's reminder lessons scored 0.27-0.28 against "Can you remind me to cancel the gym trial?",
+    under the agent's floor of 0.3: the request's business, not its kind, is what MiniLM weighs."""
+    haircut = lesson_text("I need a reminder to book a haircut.", calls=[{"name": "add_note", "arguments": {
+        "text": "book a haircut", "list_name": "work", "kind": "todo"}}])  # fmt: skip
+    assert lesson_keys(haircut) == ("I need a reminder to book a haircut.", "I need a reminder to ….")
+    dad = lesson_text("What's the time where Dad is?", hint='The user meant "Honolulu time"')
+    assert lesson_keys(dad) == ("What's the time where Dad is?",)  # nothing was called: one key
+    clipped = lesson_text("Remind me to " + "x " * 100, calls=[{"name": "add_note", "arguments": {"text": "x " * 100}}])
+    assert lesson_keys(clipped) == (lesson_key(clipped),)  # the call was clipped away: nothing to leave out
+    assert called_values('calling add_note({"text": "Dad (home)", "n": 2}), now({"timezone": ["Asia/Seoul"]}) was right.') \
+        == ["Dad (home)", "2", "Asia/Seoul"]
+
+    index = LessonIndex(minilm)
+    index.add_many([(7, "jun", haircut), (8, "jun", dad)])
+    asked = "Can you remind me to cancel the gym trial?"
+    by_request = float(minilm.embed([asked])[0] @ minilm.embed([lesson_key(haircut)])[0])
+    hits = index.search("jun", asked, k=4)
+    assert [h.lesson_id for h in hits] == [7, 8]  # each lesson once, by its closer key
+    assert hits[0].score == pytest.approx(index.similarity(asked, haircut)) and hits[0].score > by_request
+    assert by_request < 0.3 <= hits[0].score  # the agent's floor (config/whet.yaml) shows it now
+    # the same lesson again under the same id is replaced, both its keys; removing it removes both
+    index.add_many([(7, "jun", haircut)])
+    assert len(index) == 2 and [h.lesson_id for h in index.search("jun", asked, k=4)] == [7, 8]
+    assert index.remove(7) and [h.lesson_id for h in index.search("jun", asked, k=4)] == [8]
+    assert index.remove_user("jun") == 1 and index.search("jun", asked, k=4) == []
 
 
 def test_a_narrowed_lesson_is_shown_only_to_requests_as_close_as_its_floor_and_does_not_crowd_the_rest():
