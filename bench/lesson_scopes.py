@@ -6,8 +6,9 @@ The lesson check adds a lesson that broke pinned turns *narrowed*: shown only to
 the embedder alone: do the other ways of asking a lesson's request score above that floor, and do
 the general requests that merely read like it score below?
 
-For each personal request of a profile's first ``--interactions`` (a lesson is keyed by the request
-it came from, :func:`whet.memory.index.lesson_key`), this takes the worst case: the lesson broke the
+For each personal request of a profile's first ``--interactions`` (its lesson says the right call, and
+is keyed by the request it came from and by that request less what the call copied,
+:func:`whet.memory.index.lesson_keys`), this takes the worst case: the lesson broke the
 closest pinned request of all (``config/regression.jsonl``). It then counts, at that floor:
 
 - ``held-out``: the profile's held-out requests of the same intent (and person) the lesson still
@@ -29,8 +30,9 @@ import numpy as np
 from whet.config.settings import load_config
 from whet.learner.gate import load_pinned_turns
 from whet.learner.learner import regression_path
+from whet.learner.lessons import lesson_text
 from whet.learner.prompt import last_user_text
-from whet.memory.index import open_embedder
+from whet.memory.index import LessonIndex, open_embedder
 from whet.world.conversations import random_profile, training_vocabulary
 from whet.world.tasks import GENERAL, World, load_profile, make_task
 
@@ -58,19 +60,21 @@ def main() -> None:
     general = sorted({make_task(i, rng, random_profile(rng, vocab), vocab=vocab).text
                       for _ in range(args.general) for i in GENERAL})  # fmt: skip
 
+    index = LessonIndex(embedder)
     vectors = {name: embedder.embed(texts) for name, texts in
-               (("lessons", lessons), ("pinned", pinned), ("heldout", [t.text for t in heldout]), ("general", general))}
+               (("pinned", pinned), ("heldout", [t.text for t in heldout]), ("general", general))}
     print(f"profile {profile.name}, embedder {embedder.name}, margin {margin}: {len(lessons)} lesson requests, "
           f"{len(pinned)} pinned requests, {len(general)} general requests")
     print(f"{'lesson request':44s} {'closest pinned':>15s} {'floor':>6s} {'held-out reached':>17s} {'general reached':>16s}")
     reached = total = general_reached = 0
-    for i, text in enumerate(lessons):
+    for text in lessons:
         task = asked[text]
-        closest = float((vectors["pinned"] @ vectors["lessons"][i]).max())
+        lesson = lesson_text(text, calls=[{"name": task.call.name, "arguments": task.call.arguments}])
+        closest = float(index.scores(vectors["pinned"], lesson).max())
         floor = closest + margin
         same = [j for j, h in enumerate(heldout) if h.intent == task.intent and h.meta.get("person") == task.meta.get("person")]
-        scores = vectors["heldout"][same] @ vectors["lessons"][i] if same else np.zeros(0)
-        near = int((vectors["general"] @ vectors["lessons"][i] >= floor).sum())
+        scores = index.scores(vectors["heldout"][same], lesson) if same else np.zeros(0)
+        near = int((index.scores(vectors["general"], lesson) >= floor).sum())
         reached, total, general_reached = reached + int((scores >= floor).sum()), total + len(same), general_reached + near
         print(f"{text[:44]:44s} {closest:15.2f} {floor:6.2f} {f'{int((scores >= floor).sum())}/{len(same)}':>17s} "
               f"{f'{near}/{len(general)}':>16s}")
