@@ -3,7 +3,7 @@ with what its calls copied from it left out (:func:`whet.memory.index.lesson_key
 no model.
 
 For each profile and seed, every personal request of the first ``--interactions`` leaves a lesson
-saying its right call (:func:`whet.learner.lessons.lesson_text`), as a thanked answer does. Each
+saying its right call (:func:`whet.world.conversations.success_lesson`), as a thanked answer does. Each
 held-out request is then shown what the agent's rule shows it (``agent.lessons_*``: the ``k`` nearest,
 the floor, the margin), and counted:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +29,9 @@ import numpy as np
 from whet.config.settings import AgentConfig, load_config
 from whet.learner.gate import load_pinned_turns
 from whet.learner.learner import lesson_probes_path
-from whet.learner.lessons import lesson_text
 from whet.learner.prompt import last_user_text
 from whet.memory.index import LessonHit, LessonIndex, agent_shown, lesson_key, open_embedder
+from whet.world.conversations import success_lesson
 from whet.world.tasks import CHAT_PROBE, World, load_profile
 
 PROFILES = ("default.yaml", "commuter.yaml", "noisy.yaml")
@@ -78,14 +79,12 @@ def main() -> None:
         for seed in args.seeds:
             world = World(profile, seed)
             taught = [t for t in world.training_tasks(args.interactions) if t.personal]
-            lessons = [lesson_text(t.text, calls=[{"name": t.call.name, "arguments": t.call.arguments}]) for t in taught]
+            lessons = [success_lesson(t) for t in taught]
             heldout = world.heldout_tasks(args.heldout)
             general = [t.text for t in world.general_tasks(16)] + probes
             held_total += len(heldout)
             for way, score in ways.items():
-                def shown(requests: list[str], score: Scorer = score, lessons: list[str] = lessons) -> list[list[int]]:
-                    return shown_lessons(index, agent, lessons, score, requests)
-
+                shown = partial(shown_lessons, index, agent, lessons, score)
                 kinds = [[taught[i].intent for i in ids] for ids in shown([t.text for t in heldout])]
                 counts = np.array([
                     sum(t.intent not in k for t, k in zip(heldout, kinds, strict=True)),

@@ -30,10 +30,9 @@ import numpy as np
 from whet.config.settings import load_config
 from whet.learner.gate import load_pinned_turns
 from whet.learner.learner import regression_path
-from whet.learner.lessons import lesson_text
 from whet.learner.prompt import last_user_text
 from whet.memory.index import LessonIndex, open_embedder
-from whet.world.conversations import random_profile, training_vocabulary
+from whet.world.conversations import random_profile, success_lesson, training_vocabulary
 from whet.world.tasks import GENERAL, World, load_profile, make_task
 
 
@@ -69,7 +68,7 @@ def main() -> None:
     reached = total = general_reached = 0
     for text in lessons:
         task = asked[text]
-        lesson = lesson_text(text, calls=[{"name": task.call.name, "arguments": task.call.arguments}])
+        lesson = success_lesson(task)
         closest = float(index.scores(vectors["pinned"], lesson).max())
         floor = closest + margin
         same = [j for j, h in enumerate(heldout) if h.intent == task.intent and h.meta.get("person") == task.meta.get("person")]
