@@ -58,16 +58,20 @@ class PromotionGate:
     regression_item_tolerance: float | None = None  # None: the average alone decides
     regression_actions_lost: int | None = None  # None: greedy replies unchecked
     holdout_min_turns: int = 1  # held-out turns the preference margin needs before it decides
+    regression_total_tolerance: float | None = None  # None: the base model's likelihoods unchecked
 
     def decide(self, holdout: Sequence[Replayed], regression: Sequence[Replayed],
-               actions: Sequence[tuple[bool, bool]] = ()) -> GateDecision:  # fmt: skip
+               actions: Sequence[tuple[bool, bool]] = (), base: Sequence[float] = ()) -> GateDecision:  # fmt: skip
         """``actions``: for each pinned turn, whether the live version's and the candidate's greedy
-        replies did what it pins (:class:`PinnedAction`)."""
+        replies did what it pins (:class:`PinnedAction`). ``base``: each regression item's mean log-prob
+        under the base model (no adapter); empty (a step saved before it was recorded): unchecked."""
         margin = preference_margin(holdout)
         lost_items = [i for i, (live, candidate) in enumerate(actions) if live and not candidate]
         lost = len(lost_items) if actions else None
         drift = fmean(r.after - r.before for r in regression) if regression else None
         worst = min(r.after - r.before for r in regression) if regression else None
+        total = (fmean(r.after - b for r, b in zip(regression, base, strict=True))
+                 if regression and len(base) == len(regression) else None)  # fmt: skip
         metrics = {
             "holdout_turns": len(holdout),
             "holdout_min_turns": self.holdout_min_turns,
@@ -75,6 +79,8 @@ class PromotionGate:
             "regression_turns": len(regression),
             "regression_drift": drift,
             "regression_worst": worst,
+            "regression_total_drift": total,  # against the base model: the lineage's steps together
+            "regression_total_tolerance": self.regression_total_tolerance,
             "tolerance": self.tolerance,
             "regression_tolerance": self.regression_tolerance,
             "regression_item_tolerance": self.regression_item_tolerance,
@@ -88,6 +94,10 @@ class PromotionGate:
             return GateDecision(False, reason, metrics)
         if drift is not None and drift < -self.regression_tolerance:
             reason = f"regression set likelihood fell {drift:+.4f} nats/token (allowed -{self.regression_tolerance})"
+            return GateDecision(False, reason, metrics)
+        if total is not None and self.regression_total_tolerance is not None and total < -self.regression_total_tolerance:
+            reason = (f"regression set likelihood is {total:+.4f} nats/token from the base model's "
+                      f"(allowed -{self.regression_total_tolerance} over a lineage's steps)")  # fmt: skip
             return GateDecision(False, reason, metrics)
         if worst is not None and self.regression_item_tolerance is not None and worst < -self.regression_item_tolerance:
             reason = (f"a regression item's likelihood fell {worst:+.4f} nats/token "

@@ -155,7 +155,8 @@ class Learner:
         self.registry = registry
         self.gate = PromotionGate(config.gate.tolerance, config.gate.regression_tolerance,
                                   config.gate.regression_item_tolerance, config.gate.regression_actions_lost,
-                                  config.gate.holdout_min_turns)
+                                  config.gate.holdout_min_turns,
+                                  regression_total_tolerance=config.gate.regression_total_tolerance)
         self.progress = Progress()
         self._make_trainer = trainer if config.train else None
         self._trainer: LoraTrainer | None = None
@@ -171,6 +172,7 @@ class Learner:
         # held to the base model's): the live version's when the gate promotes it
         self._regression_candidate: tuple[str, list[float], list[bool], list[list[int]]] | None = None
         self._kept_by_base: list[bool] | None = None  # the pinned turns the base model answers as pinned
+        self._regression_base: list[float] | None = None  # the regression set's log-probs under the base model
         self._pinned = list(pinned) if config.gate.regression_actions_lost is not None else []
         self._lesson_check = lesson_check
         self._recall = recall if config.lessons and config.relesson else None
@@ -545,6 +547,7 @@ class Learner:
         with clock("replay_before"):
             before = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
+            reg_base = self._base_logprobs(trainer, live is None, regression, reg_before)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
         passed = {v for _, t in turns for v in turn_call_values(t)}
@@ -576,6 +579,7 @@ class Learner:
             "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
+            "regression_base": reg_base,  # under the base model: the gate bounds a lineage's drift from it
             "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
             "seconds": clock.seconds,  # where the step's time went
         }
@@ -667,6 +671,18 @@ class Learner:
             self._regression_live = (live, trainer.mean_logprobs(regression), self._held_to_base(kept), replies)
         return self._regression_live[1:]
 
+    def _base_logprobs(self, trainer: LoraTrainer, at_base: bool, regression: list[tuple[list[int], list[int]]],
+                       reg_before: list[float]) -> list[float]:  # fmt: skip
+        """The regression set's log-probs under the base model (no adapter), read once: ``reg_before``
+        when the live version is the base (``at_base``), else with the adapter switched off."""
+        if self._regression_base is None or len(self._regression_base) != len(regression):
+            if at_base:
+                self._regression_base = list(reg_before)
+            else:
+                with trainer.model.disable_adapter():
+                    self._regression_base = trainer.mean_logprobs(regression)
+        return self._regression_base
+
     def _held_to_base(self, kept: list[bool]) -> list[bool]:
         """``kept`` (a version's greedy checks of the pinned turns) counting only the turns the base model
         keeps too (:meth:`_regression_before`)."""
@@ -742,7 +758,7 @@ class Learner:
             return  # decided before a restart
         decision = self.gate.decide(
             [Replayed(*r) for r in state["holdout"]], [Replayed(*r) for r in state["regression"]],
-            [(bool(b), bool(a)) for b, a in state.get("actions", [])],
+            [(bool(b), bool(a)) for b, a in state.get("actions", [])], state.get("regression_base", ()),
         )
         gate = {"accepted": decision.accepted, "reason": decision.reason, **decision.metrics}
         self.progress.steps += 1

@@ -42,6 +42,23 @@ def test_a_falling_regression_average_is_rejected():
     assert not decision.accepted and "regression set likelihood fell" in decision.reason
 
 
+def test_steps_each_within_the_average_tolerance_are_rejected_once_together_they_fall_too_far_below_the_base():
+    gate = PromotionGate(regression_tolerance=0.05, regression_total_tolerance=0.08)
+    base = [-0.5, -0.4]
+    # each step falls 0.04 from the live version: the first two lineage steps are fine, the third is not
+    first = gate.decide([], [Replayed(0, -0.5, -0.54), Replayed(0, -0.4, -0.44)], base=base)
+    assert first.accepted and abs(first.metrics["regression_total_drift"] + 0.04) < 1e-9
+    second = gate.decide([], [Replayed(0, -0.54, -0.58), Replayed(0, -0.44, -0.48)], base=base)
+    assert second.accepted and abs(second.metrics["regression_total_drift"] + 0.08) < 1e-9
+    third = gate.decide([], [Replayed(0, -0.58, -0.62), Replayed(0, -0.48, -0.52)], base=base)
+    assert not third.accepted and "from the base model's" in third.reason
+    assert abs(third.metrics["regression_drift"] + 0.04) < 1e-9  # each step alone is within its tolerance
+    # a step back towards the base passes again; a step saved before the base was recorded is not held to it
+    assert gate.decide([], [Replayed(0, -0.58, -0.55), Replayed(0, -0.48, -0.45)], base=base).accepted
+    unchecked = gate.decide([], [Replayed(0, -0.58, -0.62), Replayed(0, -0.48, -0.52)])
+    assert unchecked.accepted and unchecked.metrics["regression_total_drift"] is None
+
+
 def test_a_candidate_that_gets_a_pinned_turn_wrong_which_live_got_right_is_rejected():
     items = [Replayed(0, -0.5, -0.5)] * 3  # the likelihoods hold
     gate = PromotionGate(regression_actions_lost=0)

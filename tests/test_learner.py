@@ -961,7 +961,7 @@ async def test_the_gate_rejects_a_candidate_whose_greedy_reply_breaks_a_pinned_t
                             lora={**LORA.model_dump(), "learning_rate": 5e-2, "epochs": 4},
                             rehearsal={"anchor_weight": 0.0},
                             gate={"holdout_fraction": 0.0, "regression_tolerance": 100.0,
-                                  "regression_actions_lost": checked})  # fmt: skip
+                                  "regression_total_tolerance": None, "regression_actions_lost": checked})  # fmt: skip
     encoder = new_trainer(policy)
     pinned = encode_turn(encoder, "Say hello.", "Hello!")[1:]
     learner = make_learner(config, store, MemoryBus(), policy, tmp_path / "adapters",
@@ -989,7 +989,7 @@ async def test_a_promoted_candidate_is_not_replayed_again_as_the_live_version(he
     and they are what a fresh replay of the saved adapter reads."""
     policy, chat = hello_policy
     config = learner_config(batch_size=2, gate={"holdout_fraction": 0.0, "regression_tolerance": 100.0,
-                                                "regression_actions_lost": 100})  # fmt: skip
+                                                "regression_total_tolerance": None, "regression_actions_lost": 100})  # fmt: skip
     encoder = new_trainer(policy)
     regression = [encode_turn(encoder, "Say hello.", "Hello!")[1:], encode_turn(encoder, "Say hi.", "Hi!")[1:]]
     learner = make_learner(config, store, MemoryBus(), policy, tmp_path / "adapters",
@@ -1008,6 +1008,12 @@ async def test_a_promoted_candidate_is_not_replayed_again_as_the_live_version(he
     fresh = learner._regression_before(trainer, version, regression)
     assert reused[0] == pytest.approx(fresh[0], abs=1e-5)
     assert reused[1:] == fresh[1:]
+    # the base model's log-probs, recorded with the first step (whose live version was the base), are what
+    # switching the live adapter off reads: what the gate bounds a lineage's drift from
+    state = json.loads((Path(live.path) / TRAINER_STATE).read_text())
+    assert state["regression_base"] == [before for _, before, _ in state["regression"]]
+    learner._regression_base = None
+    assert learner._base_logprobs(trainer, False, regression, []) == pytest.approx(state["regression_base"], abs=1e-5)
 
 
 class Crash(Exception):
