@@ -337,7 +337,7 @@ class GateConfig(Section):
     regression_item_tolerance: float | None = Field(None, ge=0.0)  # nats/token, any one item (null: unchecked)
     # nats/token the set's average may sit below the base model's: the checks above compare a candidate with the
     # live version, so a lineage's steps each within them add up (run CS: five promoted steps put it 0.14 below
-    # the base, and general tasks fell 0.875 -> 0.75); null: unchecked
+    # the base, and general tasks fell 0.875 -> 0.75); a step towards the base passes it, even from beyond; null: unchecked
     regression_total_tolerance: float | None = Field(0.08, ge=0.0)
     # the regression set's turns answered greedily by live and candidate: how many that the live
     # version does right (the pinned call, or an answer without one) the candidate may get wrong

@@ -11,7 +11,12 @@ adapter (``before``) and the candidate (``after``):
 - on a pinned regression set (turns a person wants kept), the average change must not
   be below ``-regression_tolerance``, and no single item may fall by more than
   ``regression_item_tolerance``: a candidate that copies a lesson's city into "What time is
-  it in Cairo?" changes a few tokens of one item a lot, which the average of all items hides.
+  it in Cairo?" changes a few tokens of one item a lot, which the average of all items hides;
+- and the set's average under the candidate must not sit more than ``regression_total_tolerance``
+  below the base model's (a lineage's steps together): the checks above compare a candidate with
+  the live version, so steps that each pass them add up (run CS: five promoted steps, each at
+  -0.004 to -0.041, put the set 0.14 nats/token below the base, and general tasks fell 0.875 to
+  0.75). A candidate that moves the set back towards the base passes it, even from beyond the bound.
 
 And on the regression set's greedy replies: a turn the live version does right (its pinned
 call, or an answer that calls nothing) the candidate must not do wrong, beyond
@@ -95,7 +100,8 @@ class PromotionGate:
         if drift is not None and drift < -self.regression_tolerance:
             reason = f"regression set likelihood fell {drift:+.4f} nats/token (allowed -{self.regression_tolerance})"
             return GateDecision(False, reason, metrics)
-        if total is not None and self.regression_total_tolerance is not None and total < -self.regression_total_tolerance:
+        if (total is not None and self.regression_total_tolerance is not None and total < -self.regression_total_tolerance
+                and drift is not None and drift < 0):  # a step back towards the base passes, even from beyond the bound
             reason = (f"regression set likelihood is {total:+.4f} nats/token from the base model's "
                       f"(allowed -{self.regression_total_tolerance} over a lineage's steps)")  # fmt: skip
             return GateDecision(False, reason, metrics)

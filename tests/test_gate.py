@@ -55,6 +55,9 @@ def test_steps_each_within_the_average_tolerance_are_rejected_once_together_they
     assert abs(third.metrics["regression_drift"] + 0.04) < 1e-9  # each step alone is within its tolerance
     # a step back towards the base passes again; a step saved before the base was recorded is not held to it
     assert gate.decide([], [Replayed(0, -0.58, -0.55), Replayed(0, -0.48, -0.45)], base=base).accepted
+    # a lineage already beyond the bound (promoted before it was set) may still step back towards the base
+    back = gate.decide([], [Replayed(0, -0.62, -0.60), Replayed(0, -0.52, -0.50)], base=base)
+    assert back.accepted and abs(back.metrics["regression_total_drift"] + 0.10) < 1e-9
     unchecked = gate.decide([], [Replayed(0, -0.58, -0.62), Replayed(0, -0.48, -0.52)])
     assert unchecked.accepted and unchecked.metrics["regression_total_drift"] is None
 
