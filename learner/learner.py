@@ -547,7 +547,6 @@ class Learner:
         with clock("replay_before"):
             before = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
-            reg_base = self._base_logprobs(trainer, live is None, regression, reg_before)
         self._hook("before_step")
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
         passed = {v for _, t in turns for v in turn_call_values(t)}
@@ -579,7 +578,7 @@ class Learner:
             "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
             "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
-            "regression_base": reg_base,  # under the base model: the gate bounds a lineage's drift from it
+            "regression_base": self._regression_base or [],  # under the base model: the gate bounds a lineage's drift from it
             "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
             "seconds": clock.seconds,  # where the step's time went
         }
@@ -663,25 +662,17 @@ class Learner:
             # the version before's replies are the likeliest guesses; the pinned replies the first time
             guesses = self._regression_live[3] if self._regression_live else [r for _, r in regression]
             kept, replies = self._kept(trainer, regression, guesses)
+            logprobs = trainer.mean_logprobs(regression)
+            # the base model's checks and log-probs, read once: the live version's when it is the base
             if self._kept_by_base is None and live is None:
                 self._kept_by_base = self._surely_kept(trainer, regression, kept, replies)
+                self._regression_base = logprobs
             elif self._kept_by_base is None:
                 with trainer.model.disable_adapter():
                     self._kept_by_base = self._surely_kept(trainer, regression, *self._kept(trainer, regression, guesses))
-            self._regression_live = (live, trainer.mean_logprobs(regression), self._held_to_base(kept), replies)
-        return self._regression_live[1:]
-
-    def _base_logprobs(self, trainer: LoraTrainer, at_base: bool, regression: list[tuple[list[int], list[int]]],
-                       reg_before: list[float]) -> list[float]:  # fmt: skip
-        """The regression set's log-probs under the base model (no adapter), read once: ``reg_before``
-        when the live version is the base (``at_base``), else with the adapter switched off."""
-        if self._regression_base is None or len(self._regression_base) != len(regression):
-            if at_base:
-                self._regression_base = list(reg_before)
-            else:
-                with trainer.model.disable_adapter():
                     self._regression_base = trainer.mean_logprobs(regression)
-        return self._regression_base
+            self._regression_live = (live, logprobs, self._held_to_base(kept), replies)
+        return self._regression_live[1:]
 
     def _held_to_base(self, kept: list[bool]) -> list[bool]:
         """``kept`` (a version's greedy checks of the pinned turns) counting only the turns the base model

@@ -1012,8 +1012,9 @@ async def test_a_promoted_candidate_is_not_replayed_again_as_the_live_version(he
     # switching the live adapter off reads: what the gate bounds a lineage's drift from
     state = json.loads((Path(live.path) / TRAINER_STATE).read_text())
     assert state["regression_base"] == [before for _, before, _ in state["regression"]]
-    learner._regression_base = None
-    assert learner._base_logprobs(trainer, False, regression, []) == pytest.approx(state["regression_base"], abs=1e-5)
+    learner._regression_candidate = learner._regression_live = learner._kept_by_base = learner._regression_base = None
+    learner._regression_before(trainer, version, regression)
+    assert learner._regression_base == pytest.approx(state["regression_base"], abs=1e-5)
 
 
 class Crash(Exception):
