@@ -983,6 +983,49 @@ async def test_the_gate_rejects_a_candidate_whose_greedy_reply_breaks_a_pinned_t
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("tolerance", [0.05, 100.0], ids=["likelihood-decides", "greedy-check-decides"])
+async def test_a_candidate_the_regression_set_turns_away_is_not_replayed_further(hello_policy, tmp_path, store,
+                                                                                monkeypatch, tolerance):
+    """The gate's checks must all pass, so once the pinned turns' likelihood alone turns a candidate away, its
+    held-out turns are not replayed and its pinned turns not decoded: the decision is the same, its time saved.
+    With a lax likelihood tolerance the same candidate is replayed in full, and the greedy check turns it away."""
+    policy, chat = hello_policy
+    torch.manual_seed(0)
+    config = learner_config(batch_size=8, objective={"kind": "rl"},
+                            lora={**LORA.model_dump(), "learning_rate": 5e-2, "epochs": 4},
+                            rehearsal={"anchor_weight": 0.0},
+                            gate={"holdout_fraction": 0.0, "regression_tolerance": tolerance,
+                                  "regression_total_tolerance": tolerance if tolerance < 1 else None,
+                                  "regression_actions_lost": 0})  # fmt: skip
+    encoder = new_trainer(policy)
+    pinned = encode_turn(encoder, "Say hello.", "Hello!")[1:]
+    learner = make_learner(config, store, MemoryBus(), policy, tmp_path / "adapters",
+                           regression=lambda tokenizer: [pinned],
+                           pinned=[PinnedAction.of({"messages": chat, "response": "Hello!"})])  # fmt: skip
+    decoded = []
+    kept = learner._kept
+    monkeypatch.setattr(learner, "_kept", lambda *args: decoded.append(1) or kept(*args))
+    for _ in range(2):
+        await judged_turn(store, encoder, "Say hello.", "Hello!", 1, "holdout")
+    for _ in range(8):
+        await judged_turn(store, encoder, "Say hello.", CALL_FOR_HELLO, 1, "train", sampled_at=0.0)
+    [version] = await learner.train_ready()
+    row = await store.get_adapter(version)
+    gate = row.metrics["gate"]
+    state = json.loads((Path(row.path) / TRAINER_STATE).read_text())
+    assert row.status == "rejected", gate
+    if tolerance < 1:
+        assert gate["reason"].startswith("regression set likelihood fell") and gate["skipped"] == ["holdout", "actions"]
+        assert gate["holdout_turns"] == 0 and gate["regression_actions_kept"] is None
+        assert len(decoded) == 1  # the live version's greedy check, before the step; none after it
+        assert state["skipped"] == ["holdout", "actions"] and state["holdout"] == [] and state["actions"] == []
+    else:
+        assert "pinned turn(s)" in gate["reason"] and "skipped" not in gate and not state["skipped"]
+        assert gate["holdout_turns"] == 2 and gate["regression_actions_kept"] == [1, 0]
+        assert len(decoded) == 2
+
+
+@pytest.mark.anyio
 async def test_a_promoted_candidate_is_not_replayed_again_as_the_live_version(hello_policy, tmp_path, store):
     """The regression set's log-probs and greedy checks read after a step, with the candidate's weights, are the
     live version's once the gate promotes it: the next step reuses them (a replay of every pinned turn saved)
