@@ -104,6 +104,8 @@ class LoraTrainer:
             self.model = get_peft_model(model, peft_config)
         self.device = next(self.model.parameters()).device
         self.bf16 = use_bfloat16(lora.precision, self.device)
+        self._cast: dict[torch.nn.Linear, torch.nn.Parameter] | None = None  # see :meth:`_autocast`
+        self._casting = False
         # LoRA starts as the identity (B = 0): this copy is "the base weights" for reset(None)
         self._initial = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
         self.optimizer = self._new_optimizer()
@@ -368,9 +370,37 @@ class LoraTrainer:
     def _keep(self, n: int) -> dict[str, int]:
         return {"logits_to_keep": n} if self._keeps else {}
 
-    def _autocast(self):
-        """bfloat16 matmuls over float32 weights where the hardware has them (``lora.precision``)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    @contextmanager
+    def _autocast(self) -> Iterator[None]:
+        """bfloat16 matmuls over float32 weights where the hardware has them (``lora.precision``).
+
+        Autocast casts a weight to bfloat16 at every call, and keeps the cast only for weights that train:
+        the frozen base model's were cast whole at every forward pass. A pass over a few tokens (a reply
+        against its prompt's keys and values, the anchor's one-token openings) spent most of its time
+        casting: a profile of a weights arm's step put ~50 s of it in the anchor's openings alone. So the
+        frozen linear layers' weights are cast once, kept (half the model's float32 size again), and swapped
+        in for the passes under autocast: the same bfloat16 values the cast gave, so the same results.
+        Outside it (greedy decoding, :meth:`reply_gaps`) the float32 weights serve as before."""
+        if not self.bf16 or self._casting:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                yield
+            return
+        if self._cast is None:
+            self._cast = {module: torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+                          for module in self.model.modules()
+                          if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+                          and module.weight.dtype == torch.float32}  # fmt: skip
+        kept = {module: module.weight for module in self._cast}
+        self._casting = True
+        try:
+            for module, weight in self._cast.items():
+                module.weight = weight  # a tied output layer gets its own: the embedding keeps float32
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                yield
+        finally:
+            for module, weight in kept.items():
+                module.weight = weight
+            self._casting = False
 
     # -- the step ---------------------------------------------------------------
 

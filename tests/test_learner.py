@@ -559,6 +559,33 @@ def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_
     assert trained == {str(fast.model.config.num_hidden_layers - 1)}  # only the top layer has an adapter
 
 
+def test_bfloat16_passes_use_weights_cast_once_and_read_and_train_exactly_as_a_cast_at_every_call(tiny_model):
+    """The frozen weights are cast to bfloat16 once and swapped in under autocast (:meth:`LoraTrainer._autocast`):
+    the same values autocast's own cast gives at every call, so the same log-probs and the same step."""
+    def trainer() -> LoraTrainer:
+        torch.manual_seed(0)
+        return LoraTrainer.load(tiny_model, LORA.model_copy(update={"precision": "bfloat16"}),
+                                build_objective("combined"), device="cpu")  # fmt: skip
+
+    cast_once, cast_each_call = trainer(), trainer()
+    cast_each_call._casting = True  # as if already inside: autocast alone, casting at every call
+    _, prompt, response = encode_turn(cast_once, "What time is it?", "It is nine.")
+    sample = Sample(turn_id="t", prompt_ids=prompt, response_ids=response, score=1,
+                    behaviour_logprobs=[-1.0] * len(response))  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(cast_once.response_logprobs(prompt, response), cast_each_call.response_logprobs(prompt, response))
+    for t in (cast_once, cast_each_call):
+        t.step([sample], 0.0, rehearsal=[(prompt, response)])
+    once, each = cast_once.lora_state(), cast_each_call.lora_state()
+    assert once.keys() == each.keys() and all(torch.equal(once[k], each[k]) for k in once)
+    assert cast_once._cast and all(w.dtype == torch.bfloat16 for w in cast_once._cast.values())
+    linears = [m for m in cast_once.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.dtype == torch.float32 for m in linears)  # swapped back: greedy decoding reads float32
+    base = cast_once.model.get_base_model()
+    if base.config.tie_word_embeddings:
+        assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
+
+
 def test_greedy_replies_decode_in_the_served_dtype_when_training_computes_in_bfloat16(tiny_model):
     # the gate's pinned check asks what the served model writes: under bfloat16 autocast a near tie
     # rounds the other way, and a float32 server answers it as the check did not
