@@ -583,10 +583,10 @@ class Learner:
             "baseline": baseline.to_dict(),
             "train": stats,
             "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
-            "holdout": [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)] if after else [],
+            "holdout": [] if turned_away else [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
             "regression_base": self._regression_base or [],  # under the base model: the gate bounds a lineage's drift from it
-            "actions": [[b, a] for b, a in zip(kept_before, kept_after, strict=True)] if kept_after else [],
+            "actions": [] if turned_away else [[b, a] for b, a in zip(kept_before, kept_after, strict=True)],
             # checks not run: the regression set's likelihood had already turned the candidate away
             "skipped": ["holdout", "actions"] if turned_away else [],
             "seconds": clock.seconds,  # where the step's time went
