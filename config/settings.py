@@ -307,11 +307,8 @@ class LoraConfig(Section):
     carry_momentum: bool = True
     max_grad_norm: float = Field(1.0, gt=0.0)
     # optimizer passes over each batch (the hinted teacher's side is computed once): few
-    # interactions give few batches, and one pass over each moves an adapter little. Each pass moves
-    # every adapter weight by about the learning rate (AdamW), so the passes set how far a step drifts
-    # from general skill: at 4 a step moved the gate's regression set ~0.05 nats/token and the lineage
-    # bound (0.08) held one and a half steps, turning ~10 of 12 candidates away (runs DA, DB)
-    epochs: int = Field(2, ge=1)
+    # interactions give few batches, and one pass over each moves an adapter little
+    epochs: int = Field(4, ge=1)
     # train only the top N transformer layers (the ones below run without gradients); null = all
     layers: int | None = Field(None, ge=1)
     # the conversation's own tokens carry gradients too, not only the reply's (the system prompt and tool
