@@ -8,8 +8,9 @@ included): the first ``--rehearsal`` are rehearsed, the next ``--samples`` are t
 alternately -1 with a hint (hindsight's teacher actions) and +1. One pass (``--epochs``) of the
 learner's default objective; ``--anchor`` holds the rehearsal set's small talk's odds of opening with a
 call, as the learner does by default (``learner.rehearsal.anchor_weight``: one-token passes, many of
-them). The peak resident memory is the process's, so each measurement runs in a process of its own. ``--trainer-from REV`` loads ``learner/trainer.py`` as it was at REV (e.g.
-the commit before the one-graph-at-a-time pass, ``e6631e7``) to compare the two on one machine.
+them). The peak resident memory is the process's, so each measurement runs in a process of its own.
+``--trainer-from REV`` loads ``learner/trainer.py`` as it was at REV (e.g. the commit before the
+one-graph-at-a-time pass, ``e6631e7``) to compare the two on one machine.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main() -> int:
 
     from whet.config.settings import load_config
     from whet.learner.gate import encode_records, read_records
-    from whet.learner.learner import rehearsal_path
+    from whet.learner.learner import _called, rehearsal_path
     from whet.learner.objective import objective_from_config
     from whet.learner.prompt import call_opening, hinted_prompt_ids
 
@@ -93,8 +94,11 @@ def main() -> int:
     anchor = None
     if args.anchor:
         opening = call_opening(trainer.tokenizer)
-        talk = [p for p, r in items if r and r[0] != opening]
-        anchor = module.Anchor(talk, opening, config.rehearsal.anchor_weight, [p for p, r in rehearsal if r[0] == opening])
+        # the learner's own split (Learner._small_talk, Learner._anchor): replies that call no tool, and the
+        # draw's replies that open with a call
+        talk = [p for p, r in items if not _called(trainer.tokenizer, r)]
+        calls = [p for p, r in rehearsal if r and r[0] == opening]
+        anchor = module.Anchor(talk, opening, config.rehearsal.anchor_weight, calls)
     before = peak_mb()
     started = time.perf_counter()
     stats = trainer.step(samples, 0.0, rehearsal, config.rehearsal.weight, config.rehearsal.first_token_weight, anchor)
