@@ -428,6 +428,11 @@ class LearnerConfig(Section):
     replay_hints: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
+    # after the gate turns away r candidates made from a lineage's live version, its next step waits for
+    # batch_size * 2**min(r, backoff) samples (no timeout): a lineage the gate holds at its bound stops
+    # spending the CPU that serving needs on steps it will turn away (the samples wait, none is dropped,
+    # and a promotion resets it); 0 = every batch as above
+    backoff: int = Field(3, ge=0)
     poll_s: float = Field(5.0, gt=0)  # how often store-side catch-up runs (events are the fast path)
     device: str = "auto"  # where training runs: auto | cpu | cuda | cuda:1
     # CPU threads a training step may use (torch intra-op, in the training thread only), so serving

@@ -16,7 +16,9 @@ Flow:
 4. When ``batch_size`` trainable verdicts are waiting (or ``batch_timeout_s`` passed
    with at least one), one optimizer step makes a candidate version from the live
    one; the gate replays held-out turns; an accepted candidate is promoted and
-   published (``adapter.published``), a rejected one is kept with its reasons.
+   published (``adapter.published``), a rejected one is kept with its reasons. A lineage
+   whose candidates the gate turned away waits for more samples before its next step
+   (``learner.backoff``).
 5. After promotion, when the live version's rolling judged score falls below its
    predecessor's by more than a margin, it is rolled back.
 
@@ -263,10 +265,14 @@ class Learner:
         and lessons, a trainable sample waits for its step (a partial batch counts: it trains
         ``batch_timeout_s`` after its first sample), or a step is running. Read from the store,
         so a turn closed a moment ago counts before its bus event arrives: a client that sees
-        ``busy`` false after its last request knows everything it sent has been learned from."""
+        ``busy`` false after its last request knows everything it sent has been learned from; ``deferred``
+        samples (a lineage's backoff, :meth:`_pending`) wait for more and are learned from with them."""
         waiting = bool(await self.store.unjudged_turns(limit=1))
-        if self._make_trainer is not None:
-            waiting = waiting or bool(await self.store.samples(split="train", untrained=True, limit=1))
+        deferred = 0  # samples that wait for more of their lineage's (``learner.backoff``): no work in hand
+        if self._make_trainer is not None and await self.store.samples(split="train", untrained=True, limit=1):
+            pending = await self._pending()
+            waiting = waiting or not all(d for *_, d in pending)
+            deferred = sum(len(b) for _, b, _, d in pending if d)
         # the locks are read after the store: work that drained the queue while we read is still in hand
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
@@ -274,7 +280,7 @@ class Learner:
                 "lessons_narrowed": p.lessons_narrowed, "lessons_misled": p.lessons_misled,
                 "lesson_check_s": round(p.lesson_check_s, 1), "steps": p.steps,
                 "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
-                "busy": busy}  # fmt: skip
+                "deferred": deferred, "busy": busy}  # fmt: skip
 
     async def catch_up(self) -> int:
         """Judge every closed turn that has no verdict yet; returns how many were judged."""
@@ -447,20 +453,39 @@ class Learner:
         return judgment.user_id if self.config.scope == "user" else None
 
     async def train_ready(self, *, force: bool = False) -> list[str]:
-        """Train one step for every lineage whose batch is ready (``force``: any waiting sample).
-        Returns the candidate versions made."""
+        """Train one step for every lineage whose batch is ready (``force``: any waiting sample, backoff
+        or not). Returns the candidate versions made."""
         if self._make_trainer is None:
             return []
         made = []
         async with self._training:
-            waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
-            owners = sorted({self._owner(j) for j, _ in waiting}, key=lambda u: u or "")
-            for user_id in owners:
-                batch = [(j, t) for j, t in waiting if self._owner(j) == user_id][: self.config.batch_size]
+            for user_id, batch, need, deferred in await self._pending():
                 age = time.time() - batch[0][0].created_at.timestamp()
-                if force or len(batch) >= self.config.batch_size or age >= self.config.batch_timeout_s:
+                if force or len(batch) >= need or (not deferred and age >= self.config.batch_timeout_s):
                     made.append(await self._train_step(user_id, batch))
         return made
+
+    async def _pending(self) -> list[tuple[str | None, list[tuple[Judgment, Turn]], int, bool]]:
+        """Each lineage with samples waiting: (its owner, its next batch, the samples its step waits for,
+        whether it waits for them with no timeout). ``learner.backoff``: after the gate turned away r
+        candidates made from the live version, a step waits for ``batch_size * 2**min(r, backoff)``.
+
+        Why: once a lineage reaches the gate's bound (its drift from the base model), every step it trains
+        is turned away, yet each cost minutes of the CPU that serving shares (runs DC and DD, stop 53: 8 of
+        12 candidates were trained after their lineage's last promotion, ~2 min each)."""
+        waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
+        pending = []
+        for user_id in sorted({self._owner(j) for j, _ in waiting}, key=lambda u: u or ""):
+            rejected = 0
+            if self.config.backoff:
+                live = await self.store.live_adapter(self.config.scope, user_id)
+                parent = live.id if live else None
+                rejected = sum(a.status == "rejected" and a.parent == parent
+                               for a in await self.store.list_adapters(self.config.scope, user_id))  # fmt: skip
+            need = self.config.batch_size * 2 ** min(rejected, self.config.backoff)
+            batch = [(j, t) for j, t in waiting if self._owner(j) == user_id][:need]
+            pending.append((user_id, batch, need, rejected > 0 and len(batch) < need))
+        return pending
 
     async def _train_step(self, user_id: str | None, batch: list[tuple[Judgment, Turn]]) -> str:
         scope = self.config.scope

@@ -849,7 +849,8 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
 ):
     steps: list[list] = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
-    learner = make_learner(learner_config(batch_size=2, replay_hints=2), store, MemoryBus(), tiny_model, tmp_path)
+    learner = make_learner(learner_config(batch_size=2, replay_hints=2, backoff=0), store, MemoryBus(), tiny_model,
+                           tmp_path)  # fmt: skip
     encoder = new_trainer(tiny_model)
 
     async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
@@ -881,6 +882,57 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
     learner.config.replay_hints = 0
     _, _, state = await step("Hour in Lisbon?", "Now?")
     assert state["replayed"] == [] and len(steps[-1]) == 2
+
+
+@pytest.mark.anyio
+async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_samples_each_time_unless_forced(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    steps: list[int] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    learner = make_learner(learner_config(batch_size=2, batch_timeout_s=0.01, backoff=2), store, MemoryBus(),
+                           tiny_model, tmp_path)  # fmt: skip
+    encoder = new_trainer(tiny_model)
+    asked = iter(range(100))
+
+    async def arrive(n: int) -> None:
+        for _ in range(n):
+            await judged_turn(store, encoder, f"What time is it in city {next(asked)}?", GOOD, +1, "train")
+        await anyio.sleep(0.05)  # past batch_timeout_s
+
+    async def turned_away() -> str:
+        [version] = await learner.train_ready()
+        await store.update_adapter(version, status="rejected")
+        return version
+
+    await arrive(1)
+    await turned_away()  # a partial batch, on the timeout
+    assert steps == [1]
+    await arrive(3)
+    status = await learner.status()
+    assert (status["busy"], status["deferred"]) == (False, 3), "3 of the 4 samples the step now waits for"
+    assert await learner.train_ready() == [] and steps == [1], "no timeout while backing off"
+    await arrive(1)
+    assert (await learner.status())["busy"] is True
+    await turned_away()
+    assert steps == [1, 4]  # batch_size * 2
+    await arrive(9)
+    await turned_away()
+    assert steps == [1, 4, 8]  # batch_size * 4
+    assert (await learner.status())["deferred"] == 1
+    await arrive(8)
+    await turned_away()
+    assert steps == [1, 4, 8, 8], "at most batch_size * 2**backoff"
+    assert await learner.train_ready() == []
+    [forced] = await learner.train_ready(force=True)
+    assert steps == [1, 4, 8, 8, 1]
+    await store.promote_adapter(forced)  # a promotion: the next step is the live version's first
+    await arrive(1)
+    assert len(await learner.train_ready()) == 1 and steps == [1, 4, 8, 8, 1, 1]
+    learner.config.backoff = 0
+    await store.update_adapter((await store.live_adapter("global")).id, status="rejected")
+    await arrive(1)
+    assert len(await learner.train_ready()) == 1 and steps[-1] == 1, "backoff 0: every batch as it comes"
 
 
 @pytest.mark.anyio
