@@ -213,6 +213,7 @@ class ArmResult:
     adapter: str | None = None  # the version serving at the end (None = base weights)
     wall_s: float = 0.0
     steps: int = 0  # training steps made (candidates, whatever the gate decided)
+    deferred: int = 0  # samples untrained at the end: their lineage waits for more (learner.backoff)
     step_seconds: dict[str, float] = field(default_factory=dict)  # their time by phase, summed
     # what was missed: the held-out tasks at each checkpoint; the general tasks and the chat probe
     # before and after (what learning broke is what is missed after and was not before)
@@ -253,6 +254,7 @@ class ArmResult:
             "adapter": self.adapter,
             "wall_s": round(self.wall_s, 1),
             "steps": self.steps,
+            "deferred": self.deferred,
             "step_seconds": self.step_seconds,
             "missed": {"heldout": self.missed, "general": self.general_missed, "chat": self.chat_missed},
         }
@@ -323,6 +325,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result.lessons_narrowed = learner.get("lessons_narrowed", 0)
     result.lessons_misled = learner.get("lessons_misled", 0)
     result.lesson_check_s = learner.get("lesson_check_s", 0.0)
+    result.deferred = learner.get("deferred", 0)
     result.adapter = health.get("adapter")
     if learner:
         result.steps, result.step_seconds = step_time(client.learning().get("adapters") or [])
