@@ -46,7 +46,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +62,7 @@ from whet.runtime.policy import SamplingParams
 from whet.runtime.prefix import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-from service_perf import GROUPS, HEADLINE, Sizes, measure_service  # noqa: E402
+from service_perf import GROUPS, HEADLINE, Sizes, measure_service, temporary_dir  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 TOPICS = ("the weather in Paris", "my calendar tomorrow", "a short poem", "the train to Berlin",
@@ -166,7 +165,7 @@ def model_source(plan: Plan) -> Path:
     from whet.learner.tiny import build_tiny_model
 
     if plan.model == "tiny":
-        return build_tiny_model(Path(tempfile.mkdtemp()) / "model")
+        return build_tiny_model(temporary_dir() / "model")
     return Path(resolve_source(plan.model, load_config().data_path))
 
 

@@ -9,8 +9,10 @@ and returns plain figures. Sizes come from :class:`Sizes` (``quick`` for CI).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -386,7 +388,10 @@ async def _subscribed(publisher: Any, until: Any) -> None:
 
 
 def temporary_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="whet-perf-"))
+    """A scratch folder, removed when the process exits (the suite runs these figures on every run)."""
+    path = Path(tempfile.mkdtemp(prefix="whet-perf-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def lora_adapter(model: Path, out: Path) -> Path:

@@ -96,8 +96,9 @@ async def measure(model: Path, requests: int, size: int, threads: int | None = N
 
 
 async def main(requests: int, size: int, threads: int | None, device: str, dtype: str) -> None:
-    model = build_tiny_model(Path(tempfile.mkdtemp()) / "model")
-    m = await measure(model, requests, size, threads, device=device, dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="whet-perf-") as scratch:
+        model = build_tiny_model(Path(scratch) / "model")
+        m = await measure(model, requests, size, threads, device=device, dtype=dtype)
     print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads")
     idle = m["serving_p50_idle_ms"]
     print(f"chat latency p50, learner idle:     {idle:.1f} ms ({requests} requests, 32 new tokens)")
