@@ -39,6 +39,7 @@ import random
 import re
 import shutil
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -266,13 +267,19 @@ class Learner:
         ``batch_timeout_s`` after its first sample), or a step is running. Read from the store,
         so a turn closed a moment ago counts before its bus event arrives: a client that sees
         ``busy`` false after its last request knows everything it sent has been learned from; ``deferred``
-        samples (a lineage's backoff, :meth:`_pending`) wait for more and are learned from with them."""
+        samples (a lineage's backoff, :meth:`_need`) wait for more and are learned from with them."""
         waiting = bool(await self.store.unjudged_turns(limit=1))
         deferred = 0  # samples that wait for more of their lineage's (``learner.backoff``): no work in hand
-        if self._make_trainer is not None and await self.store.samples(split="train", untrained=True, limit=1):
-            pending = await self._pending()
-            waiting = waiting or not all(d for *_, d in pending)
-            deferred = sum(len(b) for _, b, _, d in pending if d)
+        if self._make_trainer is not None:
+            lineages: Counter[str | None] = Counter()  # counted, not read: /health asks this often
+            for user_id, n in (await self.store.untrained_counts()).items():
+                lineages[self._owner(user_id)] += n
+            for owner, n in lineages.items():
+                need, backing_off = await self._need(owner)
+                if backing_off and n < need:
+                    deferred += n
+                else:
+                    waiting = True
         # the locks are read after the store: work that drained the queue while we read is still in hand
         busy = waiting or self._judging.locked() or self._training.locked()
         p = self.progress
@@ -448,9 +455,9 @@ class Learner:
 
     # -- training -------------------------------------------------------------
 
-    def _owner(self, judgment: Judgment) -> str | None:
-        """The lineage a verdict trains: its user's (per-user scope) or the global one (None)."""
-        return judgment.user_id if self.config.scope == "user" else None
+    def _owner(self, user_id: str) -> str | None:
+        """The lineage a user's verdict trains: the user's (per-user scope) or the global one (None)."""
+        return user_id if self.config.scope == "user" else None
 
     async def train_ready(self, *, force: bool = False) -> list[str]:
         """Train one step for every lineage whose batch is ready (``force``: any waiting sample, backoff
@@ -459,33 +466,29 @@ class Learner:
             return []
         made = []
         async with self._training:
-            for user_id, batch, need, deferred in await self._pending():
+            waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
+            owners = sorted({self._owner(j.user_id) for j, _ in waiting}, key=lambda u: u or "")
+            for user_id in owners:
+                need, backing_off = await self._need(user_id)
+                batch = [(j, t) for j, t in waiting if self._owner(j.user_id) == user_id][:need]
                 age = time.time() - batch[0][0].created_at.timestamp()
-                if force or len(batch) >= need or (not deferred and age >= self.config.batch_timeout_s):
+                if force or len(batch) >= need or (not backing_off and age >= self.config.batch_timeout_s):
                     made.append(await self._train_step(user_id, batch))
         return made
 
-    async def _pending(self) -> list[tuple[str | None, list[tuple[Judgment, Turn]], int, bool]]:
-        """Each lineage with samples waiting: (its owner, its next batch, the samples its step waits for,
-        whether it waits for them with no timeout). ``learner.backoff``: after the gate turned away r
-        candidates made from the live version, a step waits for ``batch_size * 2**min(r, backoff)``.
+    async def _need(self, owner: str | None) -> tuple[int, bool]:
+        """The samples ``owner``'s lineage's next step waits for, and whether it waits for them with no
+        timeout. ``learner.backoff``: after the gate turned away r candidates made from the live version,
+        ``batch_size * 2**min(r, backoff)``.
 
         Why: once a lineage reaches the gate's bound (its drift from the base model), every step it trains
         is turned away, yet each cost minutes of the CPU that serving shares (runs DC and DD, stop 53: 8 of
         12 candidates were trained after their lineage's last promotion, ~2 min each)."""
-        waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
-        pending = []
-        for user_id in sorted({self._owner(j) for j, _ in waiting}, key=lambda u: u or ""):
-            rejected = 0
-            if self.config.backoff:
-                live = await self.store.live_adapter(self.config.scope, user_id)
-                parent = live.id if live else None
-                rejected = sum(a.status == "rejected" and a.parent == parent
-                               for a in await self.store.list_adapters(self.config.scope, user_id))  # fmt: skip
-            need = self.config.batch_size * 2 ** min(rejected, self.config.backoff)
-            batch = [(j, t) for j, t in waiting if self._owner(j) == user_id][:need]
-            pending.append((user_id, batch, need, rejected > 0 and len(batch) < need))
-        return pending
+        rejected = 0
+        if self.config.backoff:
+            live = await self.store.live_adapter(self.config.scope, owner)
+            rejected = await self.store.rejected_children(self.config.scope, owner, live.id if live else None)
+        return self.config.batch_size * 2 ** min(rejected, self.config.backoff), rejected > 0
 
     async def _train_step(self, user_id: str | None, batch: list[tuple[Judgment, Turn]]) -> str:
         scope = self.config.scope
@@ -599,7 +602,7 @@ class Learner:
         state = {
             "version": version,
             "scope": self.config.scope,
-            "user_id": self._owner(batch[0][0]),
+            "user_id": self._owner(batch[0][0].user_id),
             "parent": live.id if live else None,
             "batch": [t.id for _, t in batch],
             "replayed": [t.id for _, t in replayed],  # earlier hints taught again, consumed by their own steps

@@ -668,6 +668,22 @@ class Store:
         query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).offset(offset).limit(limit)
         return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
 
+    async def untrained_counts(self) -> dict[str, int]:
+        """Trainable "train" verdicts that no step has consumed yet, counted by user."""
+        query = _grouped_count(Judgment.user_id).where(
+            Judgment.trainable, Judgment.split == "train", Judgment.trained_in.is_(None)
+        )
+        return await self._run(lambda db: dict(db.exec(query).all()))
+
+    async def rejected_children(self, scope: str, user_id: str | None, parent: str | None) -> int:
+        """How many versions of a lineage made from ``parent`` (None: the base weights) the gate turned away."""
+        owner = Adapter.user_id.is_(None) if user_id is None else Adapter.user_id == user_id
+        made_from = Adapter.parent.is_(None) if parent is None else Adapter.parent == parent
+        query = select(func.count()).select_from(Adapter).where(
+            Adapter.scope == scope, owner, made_from, Adapter.status == "rejected"
+        )
+        return await self._run(lambda db: db.exec(query).one())
+
     async def register_candidate(self, adapter: Adapter, turn_ids: list[str]) -> int:
         """Register a trained adapter version and mark its batch consumed, in one transaction.
 
