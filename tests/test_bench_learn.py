@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -236,6 +237,40 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
     assert report["partial"]["memory_lora"]["curve"] == [{"interactions": 0, "success": 0.0}]
     assert set(report["partial"]) == {"memory_lora"}
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sigterm_stops_the_run_as_ctrl_c_does_and_every_arm_server_is_stopped(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import whet.world.bench as bench
+
+    # lora's third request sends the bench a SIGTERM (as `kill` would); memory_lora runs beside it
+    def terminate() -> None:
+        if arms["lora"].chats == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    arms = {"lora": StubArm("lora", before=terminate, delay_s=0.01), "memory_lora": StubArm("memory_lora", delay_s=0.01)}
+    started = serve_stubs(monkeypatch, arms)
+    stopped: list[str] = []
+    served = bench.served
+
+    @contextlib.contextmanager
+    def tracked(config: dict[str, Any], arm_dir: Path, whet: Any, cores: Any = None):
+        with served(config, arm_dir, whet, cores) as base:
+            try:
+                yield base
+            finally:
+                stopped.append(arm_dir.name)
+
+    monkeypatch.setattr(bench, "served", tracked)
+    before = signal.getsignal(signal.SIGTERM)
+    plan = make_plan(tmp_path, arms=("lora", "memory_lora"), interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"])
+    assert sorted(started) == sorted(stopped) == ["lora", "memory_lora"]  # both servers stopped, none left behind
+    assert arms["lora"].chats < 200 and arms["memory_lora"].chats < 200
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
 
 
 def test_arms_start_longest_first_whatever_order_they_are_named_in():

@@ -616,7 +616,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     def write() -> dict[str, Any] | None:
         with writing:
             return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
-    with _progress(console) as progress:
+    with _sigterm_as_interrupt(), _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
@@ -676,6 +676,22 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
             raise BenchError(f"arm {arm} failed: {exc}\n(the arms that finished, {finished}, are in {plan.json_path})")
         raise exc
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the arms run, a SIGTERM (``kill``, a CI timeout, a service manager) stops the run as
+    Ctrl-C does: running arms stop at their next step and their servers, with the tool servers those
+    started, are stopped. Python's default for SIGTERM ends the process at once and leaves every arm's
+    ``whet serve`` running. Only the main thread can set a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _RUNNING = object()  # an arm still running (or waiting for cores) in :func:`_ended`
