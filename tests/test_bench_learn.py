@@ -242,6 +242,7 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
 def test_a_sigterm_stops_the_run_as_ctrl_c_does_and_every_arm_server_is_stopped(tmp_path, monkeypatch):
     import os
     import signal
+    import tempfile
 
     import whet.world.bench as bench
 
@@ -257,6 +258,7 @@ def test_a_sigterm_stops_the_run_as_ctrl_c_does_and_every_arm_server_is_stopped(
 
     @contextlib.contextmanager
     def tracked(config: dict[str, Any], arm_dir: Path, whet: Any, cores: Any = None):
+        assert arm_dir.parent.parent == tmp_path  # the scratch folder, as the run made it
         with served(config, arm_dir, whet, cores) as base:
             try:
                 yield base
@@ -264,6 +266,7 @@ def test_a_sigterm_stops_the_run_as_ctrl_c_does_and_every_arm_server_is_stopped(
                 stopped.append(arm_dir.name)
 
     monkeypatch.setattr(bench, "served", tracked)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the arms' scratch folder
     before = signal.getsignal(signal.SIGTERM)
     plan = make_plan(tmp_path, arms=("lora", "memory_lora"), interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
     with pytest.raises(KeyboardInterrupt):
@@ -271,6 +274,8 @@ def test_a_sigterm_stops_the_run_as_ctrl_c_does_and_every_arm_server_is_stopped(
     assert sorted(started) == sorted(stopped) == ["lora", "memory_lora"]  # both servers stopped, none left behind
     assert arms["lora"].chats < 200 and arms["memory_lora"].chats < 200
     assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
+    assert not list(tmp_path.glob("whet-bench-learn-*"))  # nor are the arms' folders, without --keep
+    assert plan.json_path.parent == tmp_path and not plan.keep
 
 
 def test_arms_start_longest_first_whatever_order_they_are_named_in():

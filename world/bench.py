@@ -616,7 +616,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     def write() -> dict[str, Any] | None:
         with writing:
             return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
-    with _sigterm_as_interrupt(), _progress(console) as progress:
+    with _sigterm_as_interrupt(), _removed_if_interrupted(scratch, keep=plan.keep), _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
@@ -692,6 +692,18 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _removed_if_interrupted(scratch: Path, *, keep: bool) -> Iterator[None]:
+    """An interrupted run (Ctrl-C, SIGTERM) leaves no arm folders behind unless ``--keep``: by the time
+    the interrupt leaves the block, every arm has ended and its server is stopped."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
 
 
 _RUNNING = object()  # an arm still running (or waiting for cores) in :func:`_ended`
