@@ -640,12 +640,9 @@ class Store:
 
     async def recent_scores(self, policy_version: str | None, limit: int) -> list[int]:
         """The latest nonzero verdicts on turns that ``policy_version`` produced (None = base weights)."""
-        made_by = (
-            Judgment.policy_version.is_(None) if policy_version is None else Judgment.policy_version == policy_version
-        )
         query = (
             select(Judgment.score)
-            .where(made_by, Judgment.score != 0)
+            .where(_is(Judgment.policy_version, policy_version), Judgment.score != 0)
             .order_by(Judgment.created_at.desc())
             .limit(limit)
         )
@@ -677,10 +674,8 @@ class Store:
 
     async def rejected_children(self, scope: str, user_id: str | None, parent: str | None) -> int:
         """How many versions of a lineage made from ``parent`` (None: the base weights) the gate turned away."""
-        owner = Adapter.user_id.is_(None) if user_id is None else Adapter.user_id == user_id
-        made_from = Adapter.parent.is_(None) if parent is None else Adapter.parent == parent
         query = select(func.count()).select_from(Adapter).where(
-            Adapter.scope == scope, owner, made_from, Adapter.status == "rejected"
+            Adapter.scope == scope, _is(Adapter.user_id, user_id), _is(Adapter.parent, parent), Adapter.status == "rejected"
         )
         return await self._run(lambda db: db.exec(query).one())
 
@@ -857,11 +852,15 @@ def _grouped_count(column: Any) -> Any:
     return select(column, func.count()).group_by(column)
 
 
+def _is(column: Any, value: str | None) -> Any:
+    """``column`` equals ``value``, or is NULL where ``value`` is None (SQL's ``= NULL`` matches nothing)."""
+    return column.is_(None) if value is None else column == value
+
+
 def _live_query(scope: str, user_id: str | None) -> Any:
-    owner = Adapter.user_id.is_(None) if user_id is None else Adapter.user_id == user_id
     return (
         select(Adapter)
-        .where(Adapter.status == "live", Adapter.scope == scope, owner)
+        .where(Adapter.status == "live", Adapter.scope == scope, _is(Adapter.user_id, user_id))
         .order_by(Adapter.promoted_at.desc(), Adapter.created_at.desc())
         .limit(1)
     )

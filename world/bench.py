@@ -600,7 +600,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     with console.status(f"preparing the base model {plan.model}"):
         model = base_model(plan.model, config, prepare_model)
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept when an arm fails: its log is named there
+    scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept with --keep only (_scratch_folder)
     # arms at once, each server on its own cores: one sequence's decoding hardly gains from a second
     # core, a second arm does. Longest first, so that the short ones fill the cores the long ones free.
     shares = core_shares(plan.jobs)
@@ -616,7 +616,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     def write() -> dict[str, Any] | None:
         with writing:
             return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
-    with _sigterm_as_interrupt(), _removed_if_interrupted(scratch, keep=plan.keep), _progress(console) as progress:
+    with _sigterm_as_interrupt(), _scratch_folder(scratch, plan.keep, console), _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
@@ -657,10 +657,6 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                 stop.set()
                 for future in done.values():
                     future.cancel()
-    if plan.keep:
-        console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
-    else:
-        shutil.rmtree(scratch, ignore_errors=True)
     ended = _ended(done, plan.arms)  # every arm has ended by now
     results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
     failed = _failures(ended)
@@ -695,15 +691,20 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _removed_if_interrupted(scratch: Path, *, keep: bool) -> Iterator[None]:
-    """An interrupted run (Ctrl-C, SIGTERM) leaves no arm folders behind unless ``--keep``: by the time
-    the interrupt leaves the block, every arm has ended and its server is stopped."""
+def _scratch_folder(scratch: Path, keep: bool, console: Console) -> Iterator[None]:
+    """The arms' data directories once the block ends (every arm ended, its server stopped): kept with
+    ``--keep``, and said where, else removed; an interrupted run (Ctrl-C, SIGTERM) leaves none behind
+    either unless ``--keep``."""
     try:
         yield
     except KeyboardInterrupt:
         if not keep:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
+    if keep:
+        console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 _RUNNING = object()  # an arm still running (or waiting for cores) in :func:`_ended`
