@@ -214,7 +214,9 @@ def serve_stubs(monkeypatch: pytest.MonkeyPatch, arms: dict[str, StubArm]) -> li
     return started
 
 
-def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch):
+def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_finished(tmp_path, monkeypatch, capsys):
+    import tempfile
+
     import whet.world.bench as bench
 
     # lora is quick and finishes; memory then starts on its core (longest first: it learns, static does
@@ -222,9 +224,14 @@ def test_an_arm_that_fails_stops_the_others_and_the_report_keeps_the_arms_that_f
     arms = {"lora": StubArm("lora"), "memory_lora": StubArm("memory_lora", delay_s=0.02),
             "memory": StubArm("memory", fails=True), "static": StubArm("static")}  # fmt: skip
     started = serve_stubs(monkeypatch, arms)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the arms' scratch folder
     plan = make_plan(tmp_path, interactions=200, every=200, heldout=2, general=2, chat=1, jobs=2)
     with pytest.raises(BenchError, match=r"arm memory failed: POST .*memory broke\nthe log's tail\n\(the arms that finished, lora, are in "):
         bench.run_bench(load_config(), plan, prepare_model=lambda folder: folder, whet=["whet"])
+    # without --keep, a failed run keeps its arms' folders (the error names serve.log there) and says where
+    [scratch] = tmp_path.glob("whet-bench-learn-*")
+    assert (scratch / "memory").is_dir() and not plan.keep
+    assert f"keptin{scratch}" in "".join(capsys.readouterr().err.split())  # the console wraps long paths
     # memory_lora stopped long before its 200 interactions (3 requests each, corrected twice)
     assert 0 < arms["memory_lora"].chats < 200
     assert set(started[:2]) == {"lora", "memory_lora"} and started[2:] == ["memory"]

@@ -600,7 +600,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     with console.status(f"preparing the base model {plan.model}"):
         model = base_model(plan.model, config, prepare_model)
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept with --keep only (_scratch_folder)
+    scratch = Path(tempfile.mkdtemp(prefix="whet-bench-learn-"))  # kept with --keep or when an arm fails (_scratch_folder)
     # arms at once, each server on its own cores: one sequence's decoding hardly gains from a second
     # core, a second arm does. Longest first, so that the short ones fill the cores the long ones free.
     shares = core_shares(plan.jobs)
@@ -616,7 +616,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     def write() -> dict[str, Any] | None:
         with writing:
             return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
-    with _sigterm_as_interrupt(), _scratch_folder(scratch, plan.keep, console), _progress(console) as progress:
+    with _sigterm_as_interrupt(), _scratch_folder(scratch, plan.keep, console) as kept, _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
@@ -657,9 +657,10 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                 stop.set()
                 for future in done.values():
                     future.cancel()
-    ended = _ended(done, plan.arms)  # every arm has ended by now
+        ended = _ended(done, plan.arms)  # every arm has ended by now
+        failed = _failures(ended)
+        kept.failed = sorted(failed)  # a failed arm's serve.log, store and adapters are what tells why
     results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
-    failed = _failures(ended)
     if failed and not results:
         raise next(iter(failed.values()))
     report = write()
@@ -690,18 +691,30 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@dataclass
+class _Scratch:
+    """What :func:`_scratch_folder` decides by: the arms that failed, set once every arm has ended."""
+
+    failed: list[str] = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def _scratch_folder(scratch: Path, keep: bool, console: Console) -> Iterator[None]:
+def _scratch_folder(scratch: Path, keep: bool, console: Console) -> Iterator[_Scratch]:
     """The arms' data directories once the block ends (every arm ended, its server stopped): kept with
-    ``--keep``, and said where, else removed; an interrupted run (Ctrl-C, SIGTERM) leaves none behind
-    either unless ``--keep``."""
+    ``--keep``, and said where, else removed. A run in which an arm failed keeps them too, and says
+    where: the error names that arm's ``serve.log`` in it, and its store and adapters show what it had
+    done. An interrupted run (Ctrl-C, SIGTERM) leaves none behind unless ``--keep``."""
+    state = _Scratch()
     try:
-        yield
+        yield state
     except KeyboardInterrupt:
         if not keep:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
-    if keep:
+    if state.failed and not keep:
+        console.print(f"arm {', '.join(state.failed)} failed: each arm's data directory (store, adapters, "
+                      f"serve.log) is kept in {scratch}; remove it when done")  # fmt: skip
+    elif keep:
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
