@@ -616,7 +616,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
     def write() -> dict[str, Any] | None:
         with writing:
             return _write_report(plan, profile.name, tasks, config, started, _ended(done, plan.arms), so_far)
-    with _sigterm_as_interrupt(), _scratch_folder(scratch, plan.keep, console) as kept, _progress(console) as progress:
+    with _sigterm_as_interrupt(), _scratch_folder(scratch, plan.keep, console) as folder, _progress(console) as progress:
         bars = {arm: progress.add_task(arm, total=plan.units_per_arm(arm)) for arm in plan.arms}
 
         def measured(arm: str, result: ArmResult) -> None:
@@ -659,7 +659,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                     future.cancel()
         ended = _ended(done, plan.arms)  # every arm has ended by now
         failed = _failures(ended)
-        kept.failed = sorted(failed)  # a failed arm's serve.log, store and adapters are what tells why
+        folder.failed = sorted(failed)  # a failed arm's serve.log, store and adapters are what tells why
     results = [outcome for outcome in ended.values() if isinstance(outcome, ArmResult)]
     if failed and not results:
         raise next(iter(failed.values()))
@@ -712,8 +712,9 @@ def _scratch_folder(scratch: Path, keep: bool, console: Console) -> Iterator[_Sc
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     if state.failed and not keep:
-        console.print(f"arm {', '.join(state.failed)} failed: each arm's data directory (store, adapters, "
-                      f"serve.log) is kept in {scratch}; remove it when done")  # fmt: skip
+        arms = f"arm {state.failed[0]}" if len(state.failed) == 1 else f"arms {', '.join(state.failed)}"
+        console.print(f"{arms} failed: each arm's data directory (store, adapters, serve.log) is kept in "
+                      f"{scratch}; remove it when done")  # fmt: skip
     elif keep:
         console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
     else:
