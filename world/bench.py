@@ -711,12 +711,12 @@ def _scratch_folder(scratch: Path, keep: bool, console: Console) -> Iterator[_Sc
         if not keep:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
-    if state.failed and not keep:
+    kept = f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}"
+    if keep:
+        console.print(kept)
+    elif state.failed:
         arms = f"arm {state.failed[0]}" if len(state.failed) == 1 else f"arms {', '.join(state.failed)}"
-        console.print(f"{arms} failed: each arm's data directory (store, adapters, serve.log) is kept in "
-                      f"{scratch}; remove it when done")  # fmt: skip
-    elif keep:
-        console.print(f"each arm's data directory (store, adapters, serve.log) is kept in {scratch}")
+        console.print(f"{arms} failed: {kept}; remove it when done")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
 
