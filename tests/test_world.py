@@ -223,6 +223,15 @@ def test_a_user_who_gives_wrong_feedback_ignores_what_was_right():
     assert load_profile(Path(__file__).parents[1] / "config" / "profiles" / "noisy.yaml").wrong_feedback_rate == 1.0
 
 
+def test_the_offlist_profile_is_off_the_simulated_users_vocabulary_and_sparing_with_thanks():
+    from whet.world.tasks import CITIES, DISTANCE_UNITS, LISTS, PEOPLE
+
+    offlist = load_profile(Path(__file__).parents[1] / "config" / "profiles" / "offlist.yaml")
+    assert not {offlist.home, *offlist.people.values()} & set(CITIES) and not set(offlist.people) & set(PEOPLE)
+    assert offlist.distance_unit not in DISTANCE_UNITS and offlist.reminders_list not in LISTS
+    assert offlist.thanks_rate < 0.5 < offlist.requery_rate
+
+
 def test_a_tool_error_is_an_ordinary_result_for_the_in_process_servers(tmp_path):
     from whet.world.conversations import BundledTools
 
