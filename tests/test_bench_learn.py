@@ -394,6 +394,10 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
     json.dumps(report)
     plot(report, plan.plot_path)
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # before any arm has finished there are curves so far and no general skill after yet
+    early = tmp_path / "early.png"
+    plot({"profile": "default", "seed": 0, "partial": {"lora": {"curve": curve[:2], "general_before": 0.5}}}, early)
+    assert early.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -850,14 +850,15 @@ def _machine(precision: str) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Held-out success against interactions, one line per arm, the 0.9 bar dashed."""
+    """Left: held-out success against interactions, one line per arm, the 0.9 bar dashed. Right: what
+    learning must keep, each finished arm's general tasks and chat probe before (pale) and after."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    figure = Figure(figsize=(11, 4.5), layout="constrained")
     FigureCanvasAgg(figure)  # Agg, without pyplot's global state
-    axes = figure.add_subplot()
+    axes, kept = figure.subplots(1, 2, width_ratios=(3, 2))
     # arms not finished: dotted, as far as they got
     for key, style, suffix in (("arms", "-", ""), ("partial", ":", " (not finished)")):
         for arm, result in report.get(key, {}).items():
@@ -869,7 +870,28 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.legend(loc="best")
     axes.grid(alpha=0.3)
+    _plot_kept(kept, report.get("arms", {}))
     figure.savefig(path, dpi=120)
+
+
+def _plot_kept(axes: Any, arms: dict[str, dict[str, Any]]) -> None:
+    """Grouped bars, one group per finished arm: general tasks and the chat probe, before and after."""
+    axes.set(ylabel="share right", ylim=(0, 1.3), title="kept: general tasks and chat (before → after)")
+    axes.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    if not arms:
+        axes.text(0.5, 0.5, "no arm has finished yet", ha="center", va="center", transform=axes.transAxes)
+        axes.set_xticks([])
+        return
+    width = 0.2
+    for i, (measure, colour) in enumerate((("general", "tab:blue"), ("chat", "tab:orange"))):
+        for j, (when, alpha) in enumerate((("before", 0.35), ("after", 1.0))):
+            values = [result[f"{measure}_{when}"] for result in arms.values()]
+            xs = [k + (2 * i + j - 1.5) * width for k in range(len(arms))]
+            bars = axes.bar(xs, values, width, color=colour, alpha=alpha, label=f"{measure} {when}")
+            axes.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+    axes.set_xticks(range(len(arms)), list(arms))
+    axes.legend(loc="upper center", fontsize=8, ncols=2)
+    axes.grid(alpha=0.3, axis="y")
 
 
 def _progress(console: Console) -> Progress:
