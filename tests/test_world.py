@@ -14,6 +14,7 @@ from whet.world.tasks import GENERAL, INTENTS, PERSONAL, ToolUse, World, load_pr
 from whet.world.user import SimulatedUser
 
 PROFILE = load_profile(None)
+PROFILES = Path(__file__).parents[1] / "config" / "profiles"  # the shipped ones
 
 
 def test_the_default_profile_loads_and_the_world_covers_at_least_eight_intents():
@@ -118,8 +119,7 @@ def test_a_bad_profile_file_gets_a_clear_error(tmp_path):
 
 
 def test_shipped_profiles_all_load():
-    folder = Path(__file__).parents[1] / "config" / "profiles"
-    profiles = sorted(folder.glob("*.yaml"))
+    profiles = sorted(PROFILES.glob("*.yaml"))
     assert len(profiles) >= 2
     for path in profiles:
         assert load_profile(path).name
@@ -220,13 +220,13 @@ def test_a_user_who_gives_wrong_feedback_ignores_what_was_right():
     corrections = [r for r in right if r.startswith("No, I meant")]
     assert corrections and any(_score(r, task.text) == 1 for r in right)  # thanks and corrections, at random
     assert all("Lisbon" not in r for r in corrections)  # a correction names some other city
-    assert load_profile(Path(__file__).parents[1] / "config" / "profiles" / "noisy.yaml").wrong_feedback_rate == 1.0
+    assert load_profile(PROFILES / "noisy.yaml").wrong_feedback_rate == 1.0
 
 
 def test_the_offlist_profile_is_off_the_simulated_users_vocabulary_and_sparing_with_thanks():
     from whet.world.tasks import CITIES, DISTANCE_UNITS, LISTS, PEOPLE
 
-    offlist = load_profile(Path(__file__).parents[1] / "config" / "profiles" / "offlist.yaml")
+    offlist = load_profile(PROFILES / "offlist.yaml")
     assert not {offlist.home, *offlist.people.values()} & set(CITIES) and not set(offlist.people) & set(PEOPLE)
     assert offlist.distance_unit not in DISTANCE_UNITS and offlist.reminders_list not in LISTS
     assert offlist.thanks_rate < 0.5 < offlist.requery_rate
@@ -277,7 +277,7 @@ def test_the_shipped_lesson_probes_are_generated_general_calls_that_neither_othe
     assert len(probes) >= 64
 
 
-@pytest.mark.parametrize("profile", [PROFILE, load_profile(Path("config/profiles/commuter.yaml"))],
+@pytest.mark.parametrize("profile", [PROFILE, load_profile(PROFILES / "commuter.yaml")],
                          ids=lambda p: p.name)
 def test_the_users_first_personal_requests_touch_every_preference_once_each_person_included(profile):
     for seed in range(5):
