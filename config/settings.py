@@ -395,6 +395,10 @@ class RehearsalConfig(Section):
     # below where the step found it (the mean rise, times this): a step's pull towards calls on every chat,
     # not only on the ones already near one
     anchor_weight: float = Field(1.0, ge=0.0)
+    # every pass also adds the drawn items' token-mean KL divergence from the base model's next-token
+    # distributions (adapter off) along their replies, times this: the whole distribution held, not one reply's
+    # tokens (bench/weights_drift.py measures what a step learns against what it moves the gate's pinned set)
+    kl_weight: float = Field(0.0, ge=0.0)
 
 
 class LearnerConfig(Section):

@@ -581,7 +581,8 @@ class Learner:
         rehearsal = self._rehearsal_for(version, called, passed)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
-                                 self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal))  # fmt: skip
+                                 self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal),
+                                 self.config.rehearsal.kl_weight)  # fmt: skip
         with clock("repair"):
             repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])

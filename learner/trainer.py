@@ -112,6 +112,9 @@ class LoraTrainer:
         self._step_caches: dict[tuple[int, ...], Any] = {}  # prompt keys and values a step reuses
         # with lora.train_prompt, inside a step: the prefix its prompts share and its keys and values
         self._step_prefix: tuple[tuple[int, ...], Any] | None = None
+        # inside a step with ``rehearsal_kl``: each rehearsal item's next-token distributions under the base model
+        self._base_dists: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        self._base_weight = 0.0
         self.model.eval()
 
     @classmethod
@@ -407,7 +410,8 @@ class LoraTrainer:
 
     def step(self, samples: Sequence[Sample], baseline: float,
              rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0,
-             rehearsal_first: float = 0.0, anchor: Anchor | None = None) -> dict[str, float]:  # fmt: skip
+             rehearsal_first: float = 0.0, anchor: Anchor | None = None,
+             rehearsal_kl: float = 0.0) -> dict[str, float]:  # fmt: skip
         """One training step on ``samples``: ``lora.epochs`` optimizer passes over them (the
         teacher's side, computed once before the first); returns the objective's statistics of
         the last pass, with the first pass's loss as ``loss_first``.
@@ -420,9 +424,19 @@ class LoraTrainer:
 
         ``anchor``: small talk whose log-probability of opening with a tool call every pass holds at or below
         where the step found it, and calls whose log-probability of it every pass holds at or above
-        (:class:`Anchor`, :meth:`_anchor`)."""
+        (:class:`Anchor`, :meth:`_anchor`).
+
+        ``rehearsal_kl``: every pass also adds this times the ``rehearsal`` items' token-mean KL divergence
+        from the base model's (adapter off) next-token distributions to the adapter's, along their replies
+        (:meth:`_hold`): the whole distribution held where the base model has it, not only the likelihood
+        of one reply's tokens."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
+        with self._holding(rehearsal if rehearsal_kl > 0 else (), rehearsal_kl):
+            return self._step(samples, baseline, rehearsal, rehearsal_weight, rehearsal_first, anchor)
+
+    def _step(self, samples: Sequence[Sample], baseline: float, rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]],
+              rehearsal_weight: float, rehearsal_first: float, anchor: Anchor | None) -> dict[str, float]:  # fmt: skip
         full = getattr(self.objective, "needs_distributions", False)
         teacher, actions, reference = self._teacher_side(samples)
         anchor = anchor if anchor is not None and anchor.weight > 0 and (anchor.prompts or anchor.calls) else None
@@ -516,6 +530,8 @@ class LoraTrainer:
         gradients gathered, clipped to ``lora.max_grad_norm``; ``stats`` with the rehearsal loss and the norm."""
         if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
             stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
+        if self._base_dists:
+            stats["rehearsal_kl"] = self._hold(rehearsal)
         params = [p for p in self.model.parameters() if p.requires_grad]
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
         self.optimizer.step()
@@ -585,6 +601,37 @@ class LoraTrainer:
             (-weight * logp.sum() / tokens - first * logp[0] / len(items)).backward()
             total -= float(logp.detach().sum())
         return total / tokens
+
+    @contextmanager
+    def _holding(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float) -> Iterator[None]:
+        """Inside: :meth:`_hold` holds ``items`` to the base model's distributions, read here once with the
+        adapter off (the lineage's start, which the gate's likelihood bound measures from)."""
+        if items:
+            with torch.no_grad(), self.model.disable_adapter():
+                self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
+            self._base_weight = weight
+        try:
+            yield
+        finally:
+            self._base_dists, self._base_weight = {}, 0.0
+
+    def _hold(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float:
+        """Adds to the gradients the held weight times the gradient of the items' token-mean KL(base || adapter)
+        along their replies (:meth:`_holding`), one item's graph at a time, and returns that mean.
+
+        Rehearsal's likelihood holds the reply's own tokens; the gate's pinned set is other requests of the
+        same kinds, whose replies a step moves through everything else the distribution holds (another city
+        where one user's city was taught). The divergence holds all of it, and costs nothing where the
+        adapter still agrees with the base model."""
+        held = [(p, r) for p, r in items if (tuple(p), tuple(r)) in self._base_dists]
+        tokens = sum(len(r) for _, r in held)
+        total = 0.0
+        for prompt, response in held:
+            base = self._base_dists[(tuple(prompt), tuple(response))]  # [T, V]
+            kl = (base.exp() * (base - self.response_distributions(prompt, response))).sum()  # []
+            (self._base_weight * kl / tokens).backward()
+            total += float(kl.detach())
+        return total / tokens if tokens else 0.0
 
     def _opening(self, prompt: Sequence[int]) -> torch.Tensor:
         """log p(. | prompt): the distribution of the reply's first token, [V]; grad follows torch's mode."""

@@ -182,6 +182,53 @@ def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
 
 
+def test_the_hold_backpropagates_item_by_item_the_gradient_of_the_token_mean_kl_from_the_base_model(tiny_model):
+    """``rehearsal_kl``: the items' next-token distributions under the base model (adapter off) are read once,
+    and each pass adds the weight times the gradient of the token-mean KL(base || adapter) along the replies,
+    one item's graph at a time: the same gradient as the mean over every item at once."""
+    trainer = new_trainer(tiny_model)
+    trainer.reset(None)
+    adapter_with_effect(trainer)  # the adapter now differs from the base model
+    items = [encode_turn(trainer, "Say hello.", "Hello!")[1:],
+             encode_turn(trainer, "What is two plus two?", "Two plus two is four, as it always was.")[1:]]  # fmt: skip
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    with torch.no_grad(), trainer.model.disable_adapter():
+        base = [trainer.response_distributions(p, r) for p, r in items]
+
+    trainer.model.zero_grad(set_to_none=True)
+    kl = torch.cat([(b.exp() * (b - trainer.response_distributions(p, r))).sum(-1) for b, (p, r) in zip(base, items, strict=True)])
+    (0.5 * kl.mean()).backward()
+    expected = [p.grad.clone() for p in params]
+
+    trainer.model.zero_grad(set_to_none=True)
+    with trainer._holding(items, 0.5):
+        mean = trainer._hold(items)
+    assert mean == pytest.approx(float(kl.detach().mean()), rel=1e-4) and mean > 0
+    assert any(float(e.abs().sum()) > 0 for e in expected)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+    assert trainer._hold(items) == 0.0  # outside a step nothing is held
+
+
+def test_a_step_that_holds_its_rehearsal_to_the_base_model_moves_it_less_and_says_the_divergence(tiny_model):
+    """Over a step's passes the hold pulls the rehearsal items back towards the base model's distributions,
+    which the same step without it leaves to drift; the pass reports the divergence as ``rehearsal_kl``."""
+    keep = encode_turn(new_trainer(tiny_model), "Say hello.", "Hello!")[1:]
+    drift = {}
+    for weight in (0.0, 50.0):
+        torch.manual_seed(0)
+        trainer = new_trainer(tiny_model, "rl", LORA.model_copy(update={"epochs": 4, "learning_rate": 5e-3}))
+        batch = [sample(trainer, "t1", "What time is it?", "It is nine.", 1)]
+        stats = trainer.step(batch, baseline=0.0, rehearsal=[keep], rehearsal_weight=0.0, rehearsal_kl=weight)
+        assert ("rehearsal_kl" in stats) == (weight > 0)
+        with torch.no_grad():
+            after = trainer.response_distributions(*keep)
+            with trainer.model.disable_adapter():
+                base = trainer.response_distributions(*keep)
+        drift[weight] = float((base.exp() * (base - after)).sum(-1).mean())
+    assert drift[0.0] > 0 and drift[50.0] < 0.75 * drift[0.0]  # here 0.0031 against 0.0050
+
+
 def test_rehearsal_small_talk_is_the_base_models_own_reply_and_calls_keep_their_text(tiny_model):
     from whet.learner.learner import self_distilled
 
@@ -336,10 +383,12 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
                                                                                       monkeypatch, weight):  # fmt: skip
     """``learner.rehearsal.anchor_weight``: the step is given every item of the rehearsal set whose reply calls no
     tool (chats, answers read off a tool), not only the ones drawn into it, to hold their odds of opening with a
-    call, and the calls drawn into it, to hold theirs, at the configured weight; 0: no anchor."""
+    call, and the calls drawn into it, to hold theirs, at the configured weight; 0: no anchor.
+    And ``kl_weight`` reaches the step as configured."""
     given = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: given.append(a) or {})
-    learner = make_learner(learner_config(rehearsal={"anchor_weight": weight}), store, MemoryBus(), tiny_model, tmp_path)
+    learner = make_learner(learner_config(rehearsal={"anchor_weight": weight, "kl_weight": weight / 2}), store,
+                           MemoryBus(), tiny_model, tmp_path)  # fmt: skip
     trainer = learner._trainer_now()
     call = trainer.tokenizer.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', add_special_tokens=False)
     chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."))]
@@ -349,7 +398,8 @@ async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_i
     for q in QUESTIONS:
         await judged_turn(store, new_trainer(tiny_model), q, GOOD, +1, "train")
     await learner.train_ready()
-    [(baseline, rehearsal, rehearsal_weight, first, anchor)] = given
+    [(baseline, rehearsal, rehearsal_weight, first, anchor, kl)] = given
+    assert kl == weight / 2
     if weight:  # and the step's drawn calls, whose odds of opening with one it holds the other way
         assert (chats[0][0], call) in rehearsal
         assert anchor == Anchor([p for p, _ in chats], call[0], weight, [chats[0][0]])  # the call's first token
