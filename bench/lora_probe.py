@@ -19,18 +19,15 @@ the same tasks, to see what a step taught apart from whether the gate let it thr
 import argparse
 import json
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from probe_setup import TARGETS, Probe
 
-from whet.config.settings import AgentConfig
 from whet.learner.model import cache_of, load_causal_lm, stop_token_ids, with_cache
 from whet.learner.prompt import prompt_text
 from whet.runtime.chat_format import parse_tool_calls
-from whet.world.conversations import BundledTools
-from whet.world.tasks import CHAT_PROBE, ToolUse, World, calls_match, load_profile
+from whet.world.tasks import CHAT_PROBE, ToolUse, calls_match
 
 p = argparse.ArgumentParser()
 p.add_argument("model")
@@ -53,19 +50,11 @@ args = p.parse_args()
 torch.manual_seed(0)
 tok, model = load_causal_lm(args.model, torch.device("cpu"), "float32")
 stops = stop_token_ids(tok, model)
-tools = BundledTools(Path(tempfile.mkdtemp())).specs
-system = AgentConfig().system_prompt
-profile = load_profile(args.profile)
-world = World(profile, 0)
-train = world.training_tasks(args.n)
-heldout = world.heldout_tasks(args.heldout)
-general = world.general_tasks(args.general)
+probe = Probe.of(tok, args.profile, args.n, args.heldout, args.general)
+tools, system, profile = probe.tools, probe.system, probe.profile
+train, heldout, general = probe.train, probe.heldout, probe.general
 chat = list(CHAT_PROBE[: args.chat])
-
-
-def prompt_ids(text):
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
-    return tok.encode(prompt_text(tok, msgs, tools), add_special_tokens=False)
+prompt_ids = probe.prompt_ids
 
 
 def target_ids(task):
@@ -141,9 +130,7 @@ if args.adapter:
         base = model.unload()  # the base weights back, untouched, for the next
     raise SystemExit(0)
 
-targets = {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
-           "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           "mlp": ["gate_proj", "up_proj", "down_proj"]}[args.targets]
+targets = TARGETS[args.targets]
 depth = model.config.num_hidden_layers
 layers = None if args.layers is None else list(range(depth - args.layers, depth))
 model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets,
