@@ -620,9 +620,10 @@ class LoraTrainer:
         along their replies (:meth:`_holding`), one item's graph at a time, and returns that mean.
 
         Rehearsal's likelihood holds the reply's own tokens; the gate's pinned set is other requests of the
-        same kinds, whose replies a step moves through everything else the distribution holds (another city
-        where one user's city was taught). The divergence holds all of it, and costs nothing where the
-        adapter still agrees with the base model."""
+        same kinds, whose replies a step moves through the rest of the distribution. The divergence holds all
+        of it, and is 0, with no gradient, where the adapter still agrees with the base model. The base
+        model's distributions are kept for the step ([T, V] float32 an item: ~8 MB for a 40-token reply of
+        SmolLM2's 49,152-token vocabulary)."""
         held = [(p, r) for p, r in items if (tuple(p), tuple(r)) in self._base_dists]
         tokens = sum(len(r) for _, r in held)
         total = 0.0
