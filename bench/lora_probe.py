@@ -22,12 +22,11 @@ import random
 import time
 
 import torch
-from probe_setup import TARGETS, Probe
+from probe_setup import TARGETS, Probe, first_call_right
 
 from whet.learner.model import cache_of, load_causal_lm, stop_token_ids, with_cache
 from whet.learner.prompt import prompt_text
-from whet.runtime.chat_format import parse_tool_calls
-from whet.world.tasks import CHAT_PROBE, ToolUse, calls_match
+from whet.world.tasks import CHAT_PROBE
 
 p = argparse.ArgumentParser()
 p.add_argument("model")
@@ -101,9 +100,7 @@ def evaluate(tag):
         ok = 0
         for task in items:
             text = generate(prompt_ids(task.text))
-            _, calls, _ = parse_tool_calls(text)
-            uses = [ToolUse(c.name, c.arguments if isinstance(c.arguments, dict) else {}) for c in calls]
-            good = any(calls_match(task.call, u) for u in uses)
+            good = first_call_right(task, text)
             ok += good
             if not good and name == "heldout":
                 print(f"  miss {task.text!r}: {text[:120]!r}", flush=True)

@@ -8,8 +8,9 @@ from typing import Any
 
 from whet.config.settings import AgentConfig
 from whet.learner.prompt import prompt_text
+from whet.runtime.chat_format import parse_tool_calls
 from whet.world.conversations import BundledTools
-from whet.world.tasks import Profile, Task, World, load_profile
+from whet.world.tasks import Profile, Task, ToolUse, World, calls_match, load_profile
 
 # --targets: the projections a probe's LoRA trains
 TARGETS = {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -40,3 +41,10 @@ class Probe:
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(prompt_text(self.tokenizer, self.messages(text), self.tools), add_special_tokens=False)
+
+
+def first_call_right(task: Task, reply: str) -> bool:
+    """Whether a decoded reply calls what ``task`` wants (its call's arguments as the bench compares them)."""
+    _, calls, _ = parse_tool_calls(reply)
+    return any(calls_match(task.call, ToolUse(c.name, c.arguments if isinstance(c.arguments, dict) else {}))
+               for c in calls)  # fmt: skip

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from probe_setup import TARGETS, Probe
+from probe_setup import TARGETS, Probe, first_call_right
 
 from whet.config.settings import LoraConfig, ObjectiveConfig
 from whet.learner.gate import load_regression_set
@@ -35,8 +35,6 @@ from whet.learner.learner import _called, _called_values, rehearsal_draw, self_d
 from whet.learner.objective import objective_from_config
 from whet.learner.prompt import call_opening, hinted_prompt_ids
 from whet.learner.trainer import Anchor, LoraTrainer, Sample
-from whet.runtime.chat_format import parse_tool_calls
-from whet.world.tasks import ToolUse, calls_match
 
 p = argparse.ArgumentParser()
 p.add_argument("model")
@@ -57,12 +55,9 @@ p.add_argument("--replay", action="store_true", help="every step retrains all hi
 p.add_argument("--out", default=None)
 args = p.parse_args()
 
-
-
 torch.manual_seed(0)
-targets = TARGETS[args.targets]
 lora = LoraConfig(learning_rate=args.lr, epochs=args.epochs, optimizer=args.optimizer, layers=args.layers,
-                  target_modules=targets)
+                  target_modules=TARGETS[args.targets])
 trainer = LoraTrainer.load(args.model, lora, objective_from_config(ObjectiveConfig()), device="cpu")
 tok = trainer.tokenizer
 probe = Probe.of(tok, args.profile, args.n, args.heldout)
@@ -77,19 +72,12 @@ talk = [pr for (pr, _), t in zip(rehearsal, r_tools, strict=True) if not t]
 opening = call_opening(tok)
 
 
-messages, ids = probe.messages, probe.prompt_ids
-
-
 def first_calls(tasks):
-    prompts = [ids(t.text) for t in tasks]
+    """(right, prompt ids, reply ids, reply text) of each task's greedy first reply."""
+    prompts = [probe.prompt_ids(t.text) for t in tasks]
     outs = trainer.greedy_actions(prompts, [64] * len(prompts))
-    res = []
-    for t, pr, o in zip(tasks, prompts, outs, strict=True):
-        text = tok.decode(o)
-        _, calls, _ = parse_tool_calls(text)
-        uses = [ToolUse(c.name, c.arguments if isinstance(c.arguments, dict) else {}) for c in calls]
-        res.append((any(calls_match(t.call, u) for u in uses), pr, o, text))
-    return res
+    texts = [tok.decode(o) for o in outs]
+    return [(first_call_right(t, text), pr, o, text) for t, pr, o, text in zip(tasks, prompts, outs, texts, strict=True)]
 
 
 t0 = time.time()
@@ -97,30 +85,31 @@ base_reg = trainer.mean_logprobs(regression)
 print(f"base regression mean {sum(base_reg)/len(base_reg):.4f} ({time.time()-t0:.0f}s)", flush=True)
 
 
-def report(tag):
+def report(tag, reg=None):
+    """``reg``: the pinned set's readings when already read (the base's)."""
     t0 = time.time()
-    reg = trainer.mean_logprobs(regression)
+    reg = trainer.mean_logprobs(regression) if reg is None else reg
     d = [a - b for a, b in zip(reg, base_reg, strict=True)]
     h = first_calls(heldout)
     miss = Counter((t.text, txt[:90]) for t, (ok, _, _, txt) in zip(heldout, h, strict=True) if not ok)
     calls = [x for x, c in zip(d, pinned_calls, strict=True) if c]
-    talk = [x for x, c in zip(d, pinned_calls, strict=True) if not c]
+    others = [x for x, c in zip(d, pinned_calls, strict=True) if not c]
     print(f"[{tag}] drift {sum(d)/len(d):+.4f} (pinned calls {sum(calls)/max(len(calls), 1):+.4f}, "
-          f"replies without a call {sum(talk)/max(len(talk), 1):+.4f}) worst {min(d):+.3f} (item {d.index(min(d))}) "
+          f"replies without a call {sum(others)/max(len(others), 1):+.4f}) worst {min(d):+.3f} (item {d.index(min(d))}) "
           f"heldout {sum(x[0] for x in h)}/{len(h)} ({time.time()-t0:.0f}s)", flush=True)
     for (q, a), n in sorted(miss.items()):
         print(f"    {n} {q} -> {a}", flush=True)
     return {"drift": sum(d) / len(d), "items": d, "heldout": sum(x[0] for x in h) / len(h)}
 
 
-report("base")
+report("base", base_reg)
 # the samples, answered by the base
 answers = first_calls(train)
 samples = []
 for i, (t, (ok, pr, o, _)) in enumerate(zip(train, answers, strict=True)):
     lp = trainer.response_logprobs(pr, o).tolist()
     hint = None if ok or not t.correction else correction_hint(t.correction)
-    teacher = hinted_prompt_ids(tok, messages(t.text), pr, hint) if hint else None
+    teacher = hinted_prompt_ids(tok, probe.messages(t.text), pr, hint) if hint else None
     samples.append(Sample(f"t{i}", pr, o, lp, 1 if ok else -1, teacher))
 print(f"samples: {sum(s.score > 0 for s in samples)} right, {sum(s.score < 0 for s in samples)} wrong, "
       f"{sum(s.teacher_prompt_ids is not None for s in samples)} hinted", flush=True)
