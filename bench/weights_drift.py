@@ -52,6 +52,7 @@ p.add_argument("--anchor", type=float, default=1.0)
 p.add_argument("--heldout", type=int, default=24)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--replay", action="store_true", help="every step retrains all hinted samples so far")
+p.add_argument("--replay-all", action="store_true", help="every step retrains every sample so far (learner.replay)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 
@@ -116,8 +117,8 @@ print(f"samples: {sum(s.score > 0 for s in samples)} right, {sum(s.score < 0 for
 curve = []
 for step in range(args.steps):
     batch = samples[8 * step: 8 * step + 8]
-    if args.replay:
-        batch = batch + [s for s in samples[: 8 * step] if s.teacher_prompt_ids]
+    if args.replay or args.replay_all:
+        batch = batch + [s for s in samples[: 8 * step] if args.replay_all or s.teacher_prompt_ids]
     tools_called = set().union(*(_called(tok, s.response_ids) for s in batch))
     picked = rehearsal_draw(r_tools, args.rehearse, tools_called, f"step{step}", r_values, set())
     reh = [rehearsal[i] for i in picked]
