@@ -430,10 +430,6 @@ class LearnerConfig(Section):
     # rejected or a rollback retired (newest first): a hint that came with a step turned away is taught again
     # beside the new batch, not lost; 0 = none
     replay_hints: int = Field(0, ge=0)
-    # each step also trains again up to this many of the samples its lineage's live weights were trained on
-    # (newest first), so a step learns the user's requests together, each value with its own request, not
-    # the last batch's value for every request of its kind; 0 = none
-    replay_kept: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     # after the gate turns away r candidates made from a lineage's live version, its next step waits for

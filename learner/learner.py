@@ -497,7 +497,7 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
-        replayed = await self._replayed(user_id, live)
+        replayed = await self._unkept_hints(user_id, live)
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
                    for _, t in batch + replayed]
@@ -507,16 +507,12 @@ class Learner:
         await self._finish(version, scope, user_id, folder / version, state)
         return version
 
-    async def _replayed(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
-        """What a step of ``user_id``'s lineage trains again beside its batch: the hints the live weights
-        missed (``learner.replay_hints``, :meth:`_unkept_hints`), then up to ``learner.replay_kept`` of the
-        samples they were trained on, newest first.
-
-        Why the kept ones: steps trained one batch after another teach the last batch's value for a kind
-        of request to every request of that kind ("What time is it at home?" written Tokyo, Sam's city,
-        after a batch of Sam's; ``bench/weights_drift.py``, stop 57); trained together, each value stays
-        with its own request, as the offline probe of ideal targets found (``bench/lora_probe.py``)."""
-        if self.config.replay_hints <= 0 and self.config.replay_kept <= 0:
+    async def _unkept_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
+        """``learner.replay_hints``: ``user_id``'s lineage's earlier hinted samples that the live weights
+        were not trained on (their step rejected, or retired by a rollback), newest first; none whose
+        hint a sample drops (:func:`_taught_hint`)."""
+        wanted = self.config.replay_hints
+        if wanted <= 0:
             return []
         # the live version and its ancestors, read in one query (a lineage grows by one a promotion)
         versions = {a.id: a for a in await self.store.list_adapters(self.config.scope, user_id)}
@@ -525,18 +521,6 @@ class Learner:
         while adapter is not None and adapter.id not in kept:
             kept.add(adapter.id)
             adapter = versions.get(adapter.parent) if adapter.parent else None
-        replayed = await self._unkept_hints(user_id, kept)
-        if self.config.replay_kept > 0 and kept:
-            replayed += await self.store.kept_samples(user_id=user_id, kept=kept, limit=self.config.replay_kept)
-        return replayed
-
-    async def _unkept_hints(self, user_id: str | None, kept: set[str]) -> list[tuple[Judgment, Turn]]:
-        """``learner.replay_hints``: ``user_id``'s lineage's earlier hinted samples that the live weights
-        (the versions ``kept``) were not trained on (their step rejected, or retired by a rollback), newest
-        first; none whose hint a sample drops (:func:`_taught_hint`)."""
-        wanted = self.config.replay_hints
-        if wanted <= 0:
-            return []
         found: list[tuple[Judgment, Turn]] = []
         read = 0
         while len(found) < wanted:

@@ -653,18 +653,16 @@ class Store:
         """Hinted training verdicts whose step was rejected or retired and is not one of ``kept`` (the
         live adapter's lineage), newest first, with their turns: what the served weights were never
         taught. One user's only when ``user_id`` is given; ``limit`` of them from ``offset`` on."""
-        query = _trained_before(user_id).join(Adapter, Adapter.id == Judgment.trained_in).where(
-            Judgment.hint.is_not(None), Judgment.hint != "",
-            Adapter.status.in_(("rejected", "retired")), Judgment.trained_in.not_in(list(kept)),
-        )  # fmt: skip
+        query = (
+            select(Judgment, Turn)
+            .join(Turn, Turn.id == Judgment.turn_id)
+            .join(Adapter, Adapter.id == Judgment.trained_in)
+            .where(Judgment.trainable, Judgment.split == "train", Judgment.hint.is_not(None), Judgment.hint != "",
+                   Adapter.status.in_(("rejected", "retired")), Judgment.trained_in.not_in(list(kept)))  # fmt: skip
+        )
+        if user_id is not None:
+            query = query.where(Judgment.user_id == user_id)
         query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).offset(offset).limit(limit)
-        return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
-
-    async def kept_samples(self, *, user_id: str | None, kept: Collection[str], limit: int) -> list[tuple[Judgment, Turn]]:
-        """Training verdicts that one of ``kept`` (the live adapter's lineage) was trained on, newest
-        first, with their turns: what the served weights learned. One user's only when ``user_id`` is given."""
-        query = _trained_before(user_id).where(Judgment.trained_in.in_(list(kept)))
-        query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).limit(limit)
         return await self._run(lambda db: [(j, t) for j, t in db.exec(query).all()])
 
     async def untrained_counts(self) -> dict[str, int]:
@@ -849,16 +847,6 @@ class Store:
         }
         return await self._run(lambda db: {name: int(db.exec(q).one()) for name, q in queries.items()})
 
-
-
-def _trained_before(user_id: str | None) -> Any:
-    """Trainable "train" verdicts with their turns that a step has consumed (``user_id``'s only, when given)."""
-    query = (
-        select(Judgment, Turn)
-        .join(Turn, Turn.id == Judgment.turn_id)
-        .where(Judgment.trainable, Judgment.split == "train", Judgment.trained_in.is_not(None))
-    )
-    return query if user_id is None else query.where(Judgment.user_id == user_id)
 
 def _grouped_count(column: Any) -> Any:
     return select(column, func.count()).group_by(column)

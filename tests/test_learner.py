@@ -935,40 +935,6 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
 
 
 @pytest.mark.anyio
-async def test_a_step_trains_again_the_newest_samples_its_live_lineage_was_trained_on_and_none_of_a_step_turned_away(
-    tiny_model, tmp_path, store, monkeypatch
-):
-    steps: list[list] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
-    learner = make_learner(learner_config(batch_size=2, replay_kept=3, backoff=0), store, MemoryBus(), tiny_model,
-                           tmp_path)  # fmt: skip
-    encoder = new_trainer(tiny_model)
-    asked = iter(range(100))
-
-    async def step() -> tuple[list[str], str, dict]:
-        batch = [await judged_turn(store, encoder, f"What time is it in city {next(asked)}?", GOOD, +1, "train"),
-                 await judged_turn(store, encoder, f"Time in town {next(asked)}?", BAD, -1, "train",
-                                   hint="The user meant Lisbon time")]  # fmt: skip
-        [version] = await learner.train_ready()
-        return batch, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
-
-    first, v1, state = await step()
-    assert state["replayed"] == [] and len(steps[-1]) == 2  # no live weights yet: nothing they learned
-    assert (await store.live_adapter("global")).id == v1  # the gate has nothing to check here: promoted
-    second, v2, state = await step()
-    assert state["replayed"] == first[::-1] and [s.turn_id for s in steps[-1]] == second + first[::-1]
-    assert steps[-1][2].teacher_prompt_ids and steps[-1][3].score == 1  # each as it was judged: the hint still teaches
-    assert (await store.get_judgment(first[0])).trained_in == v1  # still consumed by its own step
-    await store.update_adapter(v2, status="rejected")  # as a rollback leaves it: v1 live again
-    await store.promote_adapter(v1)
-    third, v3, state = await step()
-    assert state["replayed"] == first[::-1], "a step turned away taught the live weights nothing"
-    assert (await store.live_adapter("global")).id == v3
-    _, _, state = await step()
-    assert state["replayed"] == [*third[::-1], first[1]], "the newest replay_kept of v1 and v3, newest first"
-
-
-@pytest.mark.anyio
 async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_samples_each_time_unless_forced(
     tiny_model, tmp_path, store, monkeypatch
 ):
