@@ -114,6 +114,11 @@ for i, (t, (ok, pr, o, _)) in enumerate(zip(train, answers, strict=True)):
     samples.append(Sample(f"t{i}", pr, o, lp, 1 if ok else -1, teacher))
 print(f"samples: {sum(s.score > 0 for s in samples)} right, {sum(s.score < 0 for s in samples)} wrong, "
       f"{sum(s.teacher_prompt_ids is not None for s in samples)} hinted", flush=True)
+# what the steps are taught to write: the hinted teacher's greedy action (learner.objective.hindsight: action)
+hinted = [(t, s) for t, s in zip(train, samples, strict=True) if s.teacher_prompt_ids]
+actions = trainer.greedy_actions([s.teacher_prompt_ids for _, s in hinted], [64] * len(hinted))
+print(f"hinted teachers' actions right: {sum(first_call_right(t, tok.decode(a)) for (t, _), a in zip(hinted, actions, strict=True))}"
+      f"/{len(hinted)}", flush=True)
 curve = []
 for step in range(args.steps):
     batch = samples[8 * step: 8 * step + 8]
