@@ -11,8 +11,10 @@ at once, without the server, the judge's timing or the gate's decisions:
 - steps of 8 in order, by the learner's own trainer (`LoraTrainer.step`), with its rehearsal draw from
   `config/rehearsal.jsonl` (small talk self-distilled) and its anchor, every step promoted;
 - after each step: the pinned set's mean log-prob change from the base model (what the gate's bound reads),
-  over the pinned calls and the other replies apart, its worst item, and the held-out requests' first calls
-  right (the bench's held-out phrasings); after the last, the trained requests' own first calls.
+  over the pinned calls and the other replies apart, its worst item; the pinned turns the base answers as
+  pinned (greedily) that the step's weights no longer do (what the gate's greedy check counts, near ties
+  included); and the held-out requests' first calls right (the bench's held-out phrasings); after the last,
+  the trained requests' own first calls.
 
     python bench/weights_drift.py MODEL_DIR [--profile config/profiles/jun.yaml] [--kl 1.0] [--lr 5e-4]
 
@@ -29,9 +31,10 @@ import torch
 from probe_setup import TARGETS, Probe, first_call_right
 
 from whet.config.settings import LoraConfig, ObjectiveConfig
-from whet.learner.gate import load_regression_set
+from whet.learner.gate import load_pinned_turns, load_regression_set
 from whet.learner.judge import correction_hint
 from whet.learner.learner import _called, _called_values, rehearsal_draw, self_distilled
+from whet.learner.model import stop_token_ids
 from whet.learner.objective import objective_from_config
 from whet.learner.prompt import call_opening, hinted_prompt_ids
 from whet.learner.trainer import Anchor, LoraTrainer, Sample
@@ -52,7 +55,7 @@ p.add_argument("--anchor", type=float, default=1.0)
 p.add_argument("--heldout", type=int, default=24)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--replay", action="store_true", help="every step retrains all hinted samples so far")
-p.add_argument("--replay-all", action="store_true", help="every step retrains every sample so far (learner.replay)")
+p.add_argument("--replay-all", action="store_true", help="every step retrains every sample so far (as learner.replay_kept did, stop 58)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 
@@ -66,6 +69,11 @@ train, heldout = probe.train, probe.heldout
 root = Path(__file__).resolve().parents[1] / "config"
 regression = load_regression_set(root / "regression.jsonl", tok)
 pinned_calls = [bool(_called(tok, r)) for _, r in regression]
+turns = load_pinned_turns(root / "regression.jsonl")
+pinned = [turn.action for turn in turns]
+regression_texts = [turn.messages[-1]["content"][:70] for turn in turns]
+assert len(turns) == len(regression)
+stops = stop_token_ids(tok, trainer.model)
 rehearsal = self_distilled(trainer, load_regression_set(root / "rehearsal.jsonl", tok))
 r_tools = [_called(tok, r) for _, r in rehearsal]
 r_values = [_called_values(tok, r) for _, r in rehearsal]
@@ -86,10 +94,21 @@ base_reg = trainer.mean_logprobs(regression)
 print(f"base regression mean {sum(base_reg)/len(base_reg):.4f} ({time.time()-t0:.0f}s)", flush=True)
 
 
-def report(tag, reg=None):
-    """``reg``: the pinned set's readings when already read (the base's)."""
+def pinned_kept():
+    """Whether the weights answer each pinned turn, greedily, as it pins (the gate's greedy check)."""
+    replies = trainer.greedy_actions([p for p, _ in regression], [a.tokens(len(r)) for a, (_, r) in zip(pinned, regression, strict=True)])
+    return [a.kept(tok.decode(r[:-1] if r and r[-1] in stops else r)) for a, r in zip(pinned, replies, strict=True)]
+
+
+base_kept = pinned_kept()
+
+
+def report(tag, reg=None, kept=None):
+    """``reg``, ``kept``: the pinned set's readings and greedy checks when already read (the base's)."""
     t0 = time.time()
     reg = trainer.mean_logprobs(regression) if reg is None else reg
+    kept = pinned_kept() if kept is None else kept
+    lost = [i for i, (b, k) in enumerate(zip(base_kept, kept, strict=True)) if b and not k]
     d = [a - b for a, b in zip(reg, base_reg, strict=True)]
     h = first_calls(heldout)
     miss = Counter((t.text, txt[:90]) for t, (ok, _, _, txt) in zip(heldout, h, strict=True) if not ok)
@@ -97,13 +116,16 @@ def report(tag, reg=None):
     others = [x for x, c in zip(d, pinned_calls, strict=True) if not c]
     print(f"[{tag}] drift {sum(d)/len(d):+.4f} (pinned calls {sum(calls)/max(len(calls), 1):+.4f}, "
           f"replies without a call {sum(others)/max(len(others), 1):+.4f}) worst {min(d):+.3f} (item {d.index(min(d))}) "
-          f"heldout {sum(x[0] for x in h)}/{len(h)} ({time.time()-t0:.0f}s)", flush=True)
+          f"heldout {sum(x[0] for x in h)}/{len(h)} pinned turns lost {len(lost)} of {sum(base_kept)} ({time.time()-t0:.0f}s)",
+          flush=True)  # fmt: skip
+    for i in lost:
+        print(f"    lost pinned {i}: {regression_texts[i]}", flush=True)
     for (q, a), n in sorted(miss.items()):
         print(f"    {n} {q} -> {a}", flush=True)
-    return {"drift": sum(d) / len(d), "items": d, "heldout": sum(x[0] for x in h) / len(h)}
+    return {"drift": sum(d) / len(d), "items": d, "heldout": sum(x[0] for x in h) / len(h), "pinned_lost": lost}
 
 
-report("base", base_reg)
+report("base", base_reg, base_kept)
 # the samples, answered by the base
 answers = first_calls(train)
 samples = []
