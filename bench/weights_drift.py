@@ -33,8 +33,7 @@ from probe_setup import TARGETS, Probe, first_call_right
 from whet.config.settings import LoraConfig, ObjectiveConfig
 from whet.learner.gate import load_pinned_turns, load_regression_set
 from whet.learner.judge import correction_hint
-from whet.learner.learner import _called, _called_values, rehearsal_draw, self_distilled
-from whet.learner.model import stop_token_ids
+from whet.learner.learner import _called, _called_values, pinned_checks, rehearsal_draw, self_distilled
 from whet.learner.objective import objective_from_config
 from whet.learner.prompt import call_opening, hinted_prompt_ids
 from whet.learner.trainer import Anchor, LoraTrainer, Sample
@@ -73,7 +72,6 @@ turns = load_pinned_turns(root / "regression.jsonl")
 pinned = [turn.action for turn in turns]
 regression_texts = [turn.messages[-1]["content"][:70] for turn in turns]
 assert len(turns) == len(regression)
-stops = stop_token_ids(tok, trainer.model)
 rehearsal = self_distilled(trainer, load_regression_set(root / "rehearsal.jsonl", tok))
 r_tools = [_called(tok, r) for _, r in rehearsal]
 r_values = [_called_values(tok, r) for _, r in rehearsal]
@@ -96,8 +94,7 @@ print(f"base regression mean {sum(base_reg)/len(base_reg):.4f} ({time.time()-t0:
 
 def pinned_kept():
     """Whether the weights answer each pinned turn, greedily, as it pins (the gate's greedy check)."""
-    replies = trainer.greedy_actions([p for p, _ in regression], [a.tokens(len(r)) for a, (_, r) in zip(pinned, regression, strict=True)])
-    return [a.kept(tok.decode(r[:-1] if r and r[-1] in stops else r)) for a, r in zip(pinned, replies, strict=True)]
+    return pinned_checks(trainer, pinned, regression)[0]
 
 
 base_kept = pinned_kept()
@@ -144,8 +141,10 @@ print(f"hinted teachers' actions right: {sum(first_call_right(t, tok.decode(a)) 
 curve = []
 for step in range(args.steps):
     batch = samples[8 * step: 8 * step + 8]
-    if args.replay or args.replay_all:
-        batch = batch + [s for s in samples[: 8 * step] if args.replay_all or s.teacher_prompt_ids]
+    if args.replay_all:
+        batch = batch + samples[: 8 * step]
+    elif args.replay:
+        batch = batch + [s for s in samples[: 8 * step] if s.teacher_prompt_ids]
     tools_called = set().union(*(_called(tok, s.response_ids) for s in batch))
     picked = rehearsal_draw(r_tools, args.rehearse, tools_called, f"step{step}", r_values, set())
     reh = [rehearsal[i] for i in picked]

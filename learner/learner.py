@@ -742,11 +742,7 @@ class Learner:
         ``guesses``: replies it likely gives (the live version's), which only save time."""
         if not self._pinned or len(self._pinned) != len(regression):
             return [], []
-        limits = [pinned.tokens(len(r)) for pinned, (_, r) in zip(self._pinned, regression, strict=True)]
-        replies = trainer.greedy_actions([p for p, _ in regression], limits, guesses)
-        stops = stop_token_ids(trainer.tokenizer, trainer.model)
-        texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
-        return [pinned.kept(text) for pinned, text in zip(self._pinned, texts, strict=True)], replies
+        return pinned_checks(trainer, self._pinned, regression, guesses)
 
     def _sample(self, trainer: LoraTrainer, judgment: Judgment, turn: Turn, lessons: list[str] | None) -> Sample:
         """The turn as a training sample; with ``lessons``, on the prompt that shows them instead of
@@ -874,6 +870,18 @@ def answers_correction(turn: Turn) -> bool:
     """Whether ``turn`` is the first step of a request that corrects the one before it: its user message
     is one the judge reads a correction from (:func:`correction_hint`)."""
     return turn.step == 0 and correction_hint(last_user_text(turn.prompt_messages)) is not None
+
+
+def pinned_checks(trainer: LoraTrainer, pinned: Sequence[PinnedAction], regression: list[tuple[list[int], list[int]]],
+                  guesses: list[list[int]] | None = None) -> tuple[list[bool], list[list[int]]]:  # fmt: skip
+    """Whether the model in ``trainer`` answers each of the ``regression`` set's turns, greedily, as its
+    ``pinned`` action says (:meth:`PinnedAction.kept`), and its replies, as long as :meth:`PinnedAction.tokens`
+    reads. ``guesses``: replies it likely gives, which only save time."""
+    limits = [action.tokens(len(r)) for action, (_, r) in zip(pinned, regression, strict=True)]
+    replies = trainer.greedy_actions([p for p, _ in regression], limits, guesses)
+    stops = stop_token_ids(trainer.tokenizer, trainer.model)
+    texts = [trainer.tokenizer.decode(r[:-1] if r and r[-1] in stops else r) for r in replies]
+    return [action.kept(text) for action, text in zip(pinned, texts, strict=True)], replies
 
 
 def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
