@@ -428,7 +428,7 @@ class LoraTrainer:
 
         ``rehearsal_kl``: every pass also adds this times the ``rehearsal`` items' token-mean KL divergence
         from the base model's (adapter off) next-token distributions to the adapter's, along their replies
-        (:meth:`_hold`): the whole distribution held where the base model has it, not only the likelihood
+        (:meth:`_rehearse`): the whole distribution held where the base model has it, not only the likelihood
         of one reply's tokens."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
@@ -519,7 +519,7 @@ class LoraTrainer:
         self.model.train()
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            stats = {"repair_loss": self._rehearse(chats, 1.0, 1.0)}
+            stats = {"repair_loss": self._rehearse(chats, 1.0, 1.0)[0]}
             return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
@@ -528,10 +528,10 @@ class LoraTrainer:
                rehearsal_weight: float, rehearsal_first: float) -> dict[str, float]:  # fmt: skip
         """A pass's end: ``rehearsal``'s gradient added (:meth:`_rehearse`), then the optimizer step on the
         gradients gathered, clipped to ``lora.max_grad_norm``; ``stats`` with the rehearsal loss and the norm."""
-        if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0):
-            stats["rehearsal_loss"] = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
-        if self._base_dists:
-            stats["rehearsal_kl"] = self._hold(rehearsal)
+        if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0 or self._base_dists):
+            stats["rehearsal_loss"], kl = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first, hold=True)
+            if self._base_dists:
+                stats["rehearsal_kl"] = kl
         params = [p for p in self.model.parameters() if p.requires_grad]
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.lora.max_grad_norm))
         self.optimizer.step()
@@ -580,59 +580,61 @@ class LoraTrainer:
                 self.response_logprobs(s.prompt_ids, a).backward(leaf.grad)
 
     def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float,
-                  first: float = 0.0) -> float:  # fmt: skip
+                  first: float = 0.0, hold: bool = False) -> tuple[float, float]:  # fmt: skip
         """Adds to the gradients ``weight`` times the gradient of the items' token-mean negative
-        log-likelihood, one item at a time, and returns that mean; and ``first`` times the gradient of
-        their first tokens' mean negative log-likelihood.
+        log-likelihood, one item at a time, and ``first`` times the gradient of their first tokens' mean
+        negative log-likelihood; with ``hold``, also the held weight times the gradient of the held items'
+        token-mean KL(base || adapter) along their replies (:meth:`_holding`). Returns the two means.
 
         A reply's first token decides whether it is a tool call (``<tool_call>``) or an answer, and
         that decision is what a batch of one user's calls moves on small talk ("Good evening! Long
         day?" answered with ``add_note``); in the token mean, a chat reply's first token is one of
         some forty.
 
-        The mean over all the items' tokens is a sum of one term per item, so each item's graph is
+        Rehearsal's likelihood holds the reply's own tokens; the gate's pinned set is other requests of the
+        same kinds, whose replies a step moves through the rest of the distribution. The divergence holds all
+        of it, and is 0, with no gradient, where the adapter still agrees with the base model.
+
+        The means over all the items' tokens are sums of one term per item, so each item's graph is
         built, backpropagated and freed before the next: one rehearsal item's activations (its response
         against its prompt's keys and values, and its [T, V] distributions) are alive at a time, not
-        every item's at once beside the samples'. The gradient is the same."""
+        every item's at once beside the samples'. The gradient is the same. Both terms read the item's one
+        forward pass: held apart, the divergence's own pass over the items made a step of the weights arm
+        take 264 s against 165 s without it (bench/results/RUNS.md, stop 59)."""
         tokens = sum(len(response) for _, response in items)
-        total = 0.0
-        for prompt, response in items:
-            logp = self.response_logprobs(prompt, response)  # [T]
-            (-weight * logp.sum() / tokens - first * logp[0] / len(items)).backward()
+        bases = [self._base_dists.get((tuple(p), tuple(r))) if hold else None for p, r in items]
+        held = sum(len(r) for (_, r), base in zip(items, bases, strict=True) if base is not None)
+        total = divergence = 0.0
+        for (prompt, response), base in zip(items, bases, strict=True):
+            dists = self.response_distributions(prompt, response)  # [T, V]
+            logp = _pick(dists, response)  # [T]
+            loss = -weight * logp.sum() / tokens - first * logp[0] / len(items)
+            if base is not None:
+                kl = (base.exp() * (base - dists)).sum()  # []
+                loss = loss + self._base_weight * kl / held
+                divergence += float(kl.detach())
+            loss.backward()
             total -= float(logp.detach().sum())
-        return total / tokens
+        return total / tokens, divergence / held if held else 0.0
 
     @contextmanager
     def _holding(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float) -> Iterator[None]:
-        """Inside: :meth:`_hold` holds ``items`` to the base model's distributions, read here once with the
-        adapter off (the lineage's start, which the gate's likelihood bound measures from)."""
+        """Inside: :meth:`_rehearse` holds ``items`` to the base model's distributions, read here once with the
+        adapter off (the lineage's start, which the gate's likelihood bound measures from). The prompts' shared
+        prefix (the system prompt and the tool list) is read once, under the base model too."""
         if items:
+            prompts = [p for p, _ in items]
             with torch.no_grad(), self.model.disable_adapter():
-                self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
+                self._step_caches = self._prompt_caches(prompts)
+                try:
+                    self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
+                finally:
+                    self._step_caches = {}
             self._base_weight = weight
         try:
             yield
         finally:
             self._base_dists, self._base_weight = {}, 0.0
-
-    def _hold(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float:
-        """Adds to the gradients the held weight times the gradient of the items' token-mean KL(base || adapter)
-        along their replies (:meth:`_holding`), one item's graph at a time, and returns that mean.
-
-        Rehearsal's likelihood holds the reply's own tokens; the gate's pinned set is other requests of the
-        same kinds, whose replies a step moves through the rest of the distribution. The divergence holds all
-        of it, and is 0, with no gradient, where the adapter still agrees with the base model. The base
-        model's distributions are kept for the step ([T, V] float32 an item: ~8 MB for a 40-token reply of
-        SmolLM2's 49,152-token vocabulary)."""
-        held = [(p, r) for p, r in items if (tuple(p), tuple(r)) in self._base_dists]
-        tokens = sum(len(r) for _, r in held)
-        total = 0.0
-        for prompt, response in held:
-            base = self._base_dists[(tuple(prompt), tuple(response))]  # [T, V]
-            kl = (base.exp() * (base - self.response_distributions(prompt, response))).sum()  # []
-            (self._base_weight * kl / tokens).backward()
-            total += float(kl.detach())
-        return total / tokens if tokens else 0.0
 
     def _opening(self, prompt: Sequence[int]) -> torch.Tensor:
         """log p(. | prompt): the distribution of the reply's first token, [V]; grad follows torch's mode."""

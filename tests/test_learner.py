@@ -175,17 +175,18 @@ def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all
     expected = [p.grad.clone() for p in params]
 
     trainer.model.zero_grad(set_to_none=True)
-    loss = trainer._rehearse(items, 0.5, first)
+    loss, _ = trainer._rehearse(items, 0.5, first)
     assert loss == pytest.approx(float(-whole.detach().mean()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
 
 
-def test_the_hold_backpropagates_item_by_item_the_gradient_of_the_token_mean_kl_from_the_base_model(tiny_model):
+def test_rehearsal_backpropagates_item_by_item_its_likelihood_and_the_kl_from_the_base_model(tiny_model):
     """``rehearsal_kl``: the items' next-token distributions under the base model (adapter off) are read once,
-    and each pass adds the weight times the gradient of the token-mean KL(base || adapter) along the replies,
-    one item's graph at a time: the same gradient as the mean over every item at once."""
+    and each pass adds the weight times the gradient of the token-mean KL(base || adapter) along the replies
+    beside the rehearsal's likelihood, both from one graph an item: the same gradient as the two means over
+    every item at once."""
     trainer = new_trainer(tiny_model)
     trainer.reset(None)
     adapter_with_effect(trainer)  # the adapter now differs from the base model
@@ -196,18 +197,21 @@ def test_the_hold_backpropagates_item_by_item_the_gradient_of_the_token_mean_kl_
         base = [trainer.response_distributions(p, r) for p, r in items]
 
     trainer.model.zero_grad(set_to_none=True)
-    kl = torch.cat([(b.exp() * (b - trainer.response_distributions(p, r))).sum(-1) for b, (p, r) in zip(base, items, strict=True)])
-    (0.5 * kl.mean()).backward()
+    dists = [trainer.response_distributions(p, r) for p, r in items]
+    kl = torch.cat([(b.exp() * (b - d)).sum(-1) for b, d in zip(base, dists, strict=True)])
+    logp = torch.cat([d.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1) for d, (_, r) in zip(dists, items, strict=True)])
+    (0.5 * kl.mean() - 0.25 * logp.mean()).backward()
     expected = [p.grad.clone() for p in params]
 
     trainer.model.zero_grad(set_to_none=True)
     with trainer._holding(items, 0.5):
-        mean = trainer._hold(items)
+        nll, mean = trainer._rehearse(items, 0.25, hold=True)
     assert mean == pytest.approx(float(kl.detach().mean()), rel=1e-4) and mean > 0
+    assert nll == pytest.approx(-float(logp.detach().mean()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
-    assert trainer._hold(items) == 0.0  # outside a step nothing is held
+    assert trainer._rehearse(items, 0.25, hold=True)[1] == 0.0  # outside a step nothing is held
 
 
 def test_a_step_that_holds_its_rehearsal_to_the_base_model_moves_it_less_and_says_the_divergence(tiny_model):
