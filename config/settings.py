@@ -562,17 +562,13 @@ def _check_section_names(data: Mapping[Any, Any], source: str) -> None:
                               f"use a section name such as 'model' (in {source})")  # fmt: skip
 
 
-def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | None = None, *,
-                preset: Path | None = None) -> WhetConfig:  # fmt: skip
-    """Shipped defaults, then ``preset`` (a shipped preset such as ``config/weights-only.yaml``), then ``path``,
-    then ``WHET_*`` env, then ``overrides`` (CLI flags).
+def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | None = None) -> WhetConfig:
+    """Shipped defaults, then ``path``, then ``WHET_*`` env, then ``overrides`` (CLI flags).
 
     Raises :class:`ConfigError` naming the first bad key and how to fix it.
     """
     _check_env_sections(os.environ)
     data = read_config_file(shipped_path("whet.yaml"))
-    if preset is not None:
-        data = _merge(data, read_config_file(preset))
     if path is not None:
         data = _merge(data, read_config_file(Path(path)))
     if overrides:

@@ -16,7 +16,7 @@ import anyio
 import pytest
 import yaml
 
-from whet.config.settings import load_config, shipped_path
+from whet.config.settings import load_config
 from whet.learner.judge import RulesJudge
 from whet.learner.learner import Learner
 from whet.learner.registry import AdapterRegistry
@@ -25,12 +25,10 @@ from whet.memory.store import open_store
 from whet.memory.tables import Adapter, Judgment, TurnCreate
 from whet.world.bench import (
     ARMS,
-    LORA_OVERRIDES,
     ArmResult,
     BenchError,
     Plan,
     Tasks,
-    arm_base,
     arm_config,
     build_report,
     free_port,
@@ -392,12 +390,7 @@ def test_the_report_has_every_field_and_the_plot_is_a_png(tmp_path):
     assert {"curve", "final_success", "interactions_to_0_9", "general_before", "general_after", "chat_before",
             "chat_after", "adapters_promoted", "lessons"} <= set(headline)  # fmt: skip
     assert (report["chat_before"], report["chat_after"]) == (1.0, 0.75)
-    assert report["learner"]["lora"]["learning_rate"] == (plan.lora_lr or LORA_OVERRIDES["learning_rate"])
-    assert report["learner"]["presets"] == {}  # neither arm runs with a preset
-    weights = build_report(make_plan(tmp_path, arms=("lora",), lora_lr=1e-3), "default", results, wall_s=1.0)
-    assert weights["learner"]["presets"]["lora"]["file"] == "config/weights-only.yaml"
-    assert weights["learner"]["presets"]["lora"]["settings"]["learner"]["lora"]["learning_rate"] == 1e-3
-    assert "--lora-lr 0.001" in weights["command"] and "--lora-lr" not in report["command"]
+    assert report["learner"]["lora"]["learning_rate"] == plan.lora_lr
     json.dumps(report)
     plot(report, plan.plot_path)
     assert plan.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -423,29 +416,6 @@ def test_each_arm_serves_the_shared_model_from_its_own_store_with_only_its_learn
     assert learned == {"static": (False, False, False), "memory": (True, False, True), "lora": (True, True, False),
                        "memory_lora": (True, True, True)}[arm]  # fmt: skip
     assert (config.learner.batch_size, config.learner.batch_timeout_s, config.learner.poll_s) == (8, 1, 0.5)
-
-
-def test_the_weights_only_arm_runs_with_the_shipped_preset_under_the_users_config_and_lora_lr(tmp_path, monkeypatch):
-    """The lora arm keeps no lessons, so it runs with config/weights-only.yaml (a higher learning rate, held
-    harder) where the other arms run with the bench's overrides; --config and WHET_* win over the preset, and
-    --lora-lr sets every arm's rate."""
-    monkeypatch.delenv("WHET_LEARNER__REHEARSAL__ANCHOR_WEIGHT", raising=False)
-    preset = yaml.safe_load(shipped_path("weights-only.yaml").read_text())["learner"]
-    base = load_config()
-    served = {arm: arm_config(arm_base(base, arm, None), arm, tmp_path / arm, "/models/tiny", 4321) for arm in ARMS}
-    lora, other = served["lora"]["learner"], served["memory_lora"]["learner"]
-    assert lora["lora"]["learning_rate"] == preset["lora"]["learning_rate"] != other["lora"]["learning_rate"]
-    assert other["lora"]["learning_rate"] == LORA_OVERRIDES["learning_rate"]
-    assert lora["rehearsal"]["kl_weight"] == preset["rehearsal"]["kl_weight"] > other["rehearsal"]["kl_weight"]
-    assert lora["gate"]["regression_tolerance"] == preset["gate"]["regression_tolerance"]
-    assert other["gate"] == base.model_dump(mode="json")["learner"]["gate"]
-    mine = tmp_path / "mine.yaml"
-    mine.write_text("learner: {rehearsal: {kl_weight: 0}}\n")
-    monkeypatch.setenv("WHET_LEARNER__REHEARSAL__ANCHOR_WEIGHT", "3")
-    own = arm_config(arm_base(load_config(mine), "lora", mine), "lora", tmp_path / "own", "/models/tiny", 4321, 1e-3)
-    assert own["learner"]["rehearsal"]["kl_weight"] == 0 and own["learner"]["rehearsal"]["anchor_weight"] == 3
-    assert own["learner"]["lora"]["learning_rate"] == 1e-3
-    assert own["learner"]["gate"]["regression_tolerance"] == preset["gate"]["regression_tolerance"]
 
 
 # ----------------------------------------------------------------------------- the learner's idle signal

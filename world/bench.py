@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from whet.config.settings import ConfigError, WhetConfig, load_config, read_config_file, shipped_path
+from whet.config.settings import ConfigError, WhetConfig, read_config_file
 from whet.learner.prompt import parse_arguments
 
 # what each arm lets the learner change: (learner runs, weights train, lessons kept)
@@ -68,10 +68,6 @@ LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 8, "batch_timeout_s": 1, "pol
 # a step turned pinned chats into tool calls and the gate rejected it (bench/results/RUNS.md, stop 34),
 # until the rehearsal's anchor held small talk's odds of a call (learner.rehearsal.anchor_weight, stops 39-41).
 LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 5e-4}
-# Arms that run with a shipped preset under the base config (defaults, then the preset, then --config and WHET_*):
-# the weights-only arm keeps no lessons, so its steps must store the user's values in the weights: at 5e-4 they
-# learnt none (runs DF, DI); at the preset's 2e-3, held by its anchor and KL term, they did (runs DN, DP).
-ARM_PRESETS: dict[str, str] = {"lora": "weights-only.yaml"}
 DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16, "chat": 12}
 QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3, "chat": 2}  # CI scale
 THRESHOLD = 0.9
@@ -146,7 +142,7 @@ class Plan:
     plot_path: Path
     config_path: Path | None = None
     config_file: dict[str, Any] | None = None  # what --config set, as read when the run began
-    lora_lr: float | None = None  # None: each arm's own (its preset's, else LORA_OVERRIDES')
+    lora_lr: float = LORA_OVERRIDES["learning_rate"]
     keep: bool = False  # keep each arm's data directory
     idle_timeout_s: float = IDLE_TIMEOUT_S  # the longest wait for the learner at a checkpoint
     jobs: int = 1  # arms run at once, each on its own share of the CPU cores
@@ -160,7 +156,7 @@ class Plan:
             profile=args.profile, seed=args.seed, arms=tuple(args.arms), model=args.model or config.model.id,
             json_path=args.json_path, plot_path=args.plot, config_path=args.config,
             config_file=read_config_file(args.config) if args.config else None,
-            lora_lr=args.lora_lr,
+            lora_lr=args.lora_lr if args.lora_lr is not None else LORA_OVERRIDES["learning_rate"],
             keep=args.keep, idle_timeout_s=args.idle_timeout or IDLE_TIMEOUT_S,
             jobs=min(getattr(args, "jobs", None) or len(usable_cores()), len(args.arms), len(usable_cores())),
             **scale,
@@ -178,10 +174,9 @@ class Plan:
         if self.profile is not None:
             argv += ["--profile", str(self.profile)]
         argv += ["--seed", str(self.seed), "--interactions", str(self.interactions), "--every", str(self.every),
-                 "--heldout", str(self.heldout), "--general", str(self.general), "--chat", str(self.chat)]  # fmt: skip
-        if self.lora_lr is not None:
-            argv += ["--lora-lr", f"{self.lora_lr:g}"]
-        argv += ["--model", self.model, "--arms", ",".join(self.arms), "--jobs", str(self.jobs)]
+                 "--heldout", str(self.heldout), "--general", str(self.general), "--chat", str(self.chat),
+                 "--lora-lr", f"{self.lora_lr:g}", "--model", self.model, "--arms", ",".join(self.arms),
+                 "--jobs", str(self.jobs)]  # fmt: skip
         return shlex.join(argv)
 
     def units_per_arm(self, arm: str) -> int:
@@ -475,19 +470,10 @@ def _arguments(raw: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def arm_base(config: WhetConfig, arm: str, config_path: Path | None) -> WhetConfig:
-    """The base config of ``arm``: ``config``, or for an arm with a preset (:data:`ARM_PRESETS`) the shipped
-    defaults, then the preset, then ``config_path`` (``--config``) and ``WHET_*``, which win over it."""
-    preset = ARM_PRESETS.get(arm)
-    return config if preset is None else load_config(config_path, preset=shipped_path(preset))
-
-
 def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int,
-               lora_lr: float | None = None) -> dict[str, Any]:  # fmt: skip
+               lora_lr: float = LORA_OVERRIDES["learning_rate"]) -> dict[str, Any]:  # fmt: skip
     """The config one arm's server runs with: the base config, a private SQLite store and
-    in-process bus in ``data_dir``, auth off (the bench names its user), and the arm's learner.
-    ``lora_lr`` (``--lora-lr``) sets every arm's learning rate; without it an arm with a preset keeps its base's
-    (:func:`arm_base`), and the others run at :data:`LORA_OVERRIDES`'."""
+    in-process bus in ``data_dir``, auth off (the bench names its user), and the arm's learner."""
     enabled, train, lessons = ARM_LEARNING[arm]
     data = base.model_dump(mode="json")
     data["data_dir"] = str(data_dir)
@@ -496,10 +482,7 @@ def arm_config(base: WhetConfig, arm: str, data_dir: Path, model: str, port: int
     data["store"]["url"] = None
     data["bus"]["url"] = None
     data["learner"].update(enabled=enabled, train=train, lessons=lessons, **LEARNER_OVERRIDES)
-    if lora_lr is not None:
-        data["learner"]["lora"].update(LORA_OVERRIDES, learning_rate=lora_lr)
-    elif arm not in ARM_PRESETS:
-        data["learner"]["lora"].update(LORA_OVERRIDES)
+    data["learner"]["lora"].update(LORA_OVERRIDES, learning_rate=lora_lr)
     return data
 
 
@@ -647,8 +630,7 @@ def run_bench(config: WhetConfig, plan: Plan, *, prepare_model: Callable[[Path],
                 _go_on(stop)
                 arm_dir = scratch / arm
                 arm_dir.mkdir()
-                settings = arm_config(arm_base(config, arm, plan.config_path), arm, arm_dir / "data", model,
-                                      free_port(), plan.lora_lr)  # fmt: skip
+                settings = arm_config(config, arm, arm_dir / "data", model, free_port(), plan.lora_lr)
                 with served(settings, arm_dir, whet, cores if plan.jobs > 1 else None) as base, \
                         httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:  # fmt: skip
                     client = HttpArmClient(http, profile.user)
@@ -843,19 +825,9 @@ def build_report(plan: Plan, profile: str, results: Sequence[ArmResult], wall_s:
         "config_file": plan.config_file,  # the settings --config overrode (the command names only the file)
         "machine": _machine(precision),
         "wall_s": round(wall_s, 1),
-        "learner": {**LEARNER_OVERRIDES, "lora": {**LORA_OVERRIDES, "learning_rate": plan.lora_lr or LORA_OVERRIDES["learning_rate"]},
-                    "presets": {arm: {"file": f"config/{ARM_PRESETS[arm]}", "settings": _preset(arm, plan)}
-                                for arm in plan.arms if arm in ARM_PRESETS}},
+        "learner": {**LEARNER_OVERRIDES, "lora": {**LORA_OVERRIDES, "learning_rate": plan.lora_lr}},
         "arms": arms,
     }
-
-
-def _preset(arm: str, plan: Plan) -> dict[str, Any]:
-    """What the arm's preset sets, with the learning rate the arm ran at where ``--lora-lr`` overrode it."""
-    settings = read_config_file(shipped_path(ARM_PRESETS[arm]))
-    if plan.lora_lr is not None:
-        settings["learner"]["lora"]["learning_rate"] = plan.lora_lr
-    return settings
 
 
 @functools.cache  # the same all run long; the report is written at every checkpoint
