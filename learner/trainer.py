@@ -599,8 +599,9 @@ class LoraTrainer:
         built, backpropagated and freed before the next: one rehearsal item's activations (its response
         against its prompt's keys and values, and its [T, V] distributions) are alive at a time, not
         every item's at once beside the samples'. The gradient is the same. Both terms read the item's one
-        forward pass: held apart, the divergence's own pass over the items made a step of the weights arm
-        take 264 s against 165 s without it (bench/results/RUNS.md, stop 59)."""
+        forward pass: with a pass of its own for the divergence, run DN's weights steps trained for 264 s on
+        average; with one, run DP's for 178 s at the same setting (bench/results/RUNS.md, stops 59-60; the
+        batches differ)."""
         tokens = sum(len(response) for _, response in items)
         bases = [self._base_dists.get((tuple(p), tuple(r))) if hold else None for p, r in items]
         held = sum(len(r) for (_, r), base in zip(items, bases, strict=True) if base is not None)
@@ -621,7 +622,9 @@ class LoraTrainer:
     def _holding(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float) -> Iterator[None]:
         """Inside: :meth:`_rehearse` holds ``items`` to the base model's distributions, read here once with the
         adapter off (the lineage's start, which the gate's likelihood bound measures from). The prompts' shared
-        prefix (the system prompt and the tool list) is read once, under the base model too."""
+        prefix (the system prompt and the tool list) is read once, under the base model too. The distributions
+        are kept for the step ([T, V] float32 an item: ~8 MB for a 40-token reply of SmolLM2's 49,152-token
+        vocabulary)."""
         if items:
             prompts = [p for p, _ in items]
             with torch.no_grad(), self.model.disable_adapter():
