@@ -529,7 +529,7 @@ class LoraTrainer:
         """A pass's end: ``rehearsal``'s gradient added (:meth:`_rehearse`), then the optimizer step on the
         gradients gathered, clipped to ``lora.max_grad_norm``; ``stats`` with the rehearsal loss and the norm."""
         if rehearsal and (rehearsal_weight > 0 or rehearsal_first > 0 or self._base_dists):
-            stats["rehearsal_loss"], kl = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first, hold=True)
+            stats["rehearsal_loss"], kl = self._rehearse(rehearsal, rehearsal_weight, rehearsal_first)
             if self._base_dists:
                 stats["rehearsal_kl"] = kl
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -580,11 +580,12 @@ class LoraTrainer:
                 self.response_logprobs(s.prompt_ids, a).backward(leaf.grad)
 
     def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float,
-                  first: float = 0.0, hold: bool = False) -> tuple[float, float]:  # fmt: skip
+                  first: float = 0.0) -> tuple[float, float]:  # fmt: skip
         """Adds to the gradients ``weight`` times the gradient of the items' token-mean negative
         log-likelihood, one item at a time, and ``first`` times the gradient of their first tokens' mean
-        negative log-likelihood; with ``hold``, also the held weight times the gradient of the held items'
-        token-mean KL(base || adapter) along their replies (:meth:`_holding`). Returns the two means.
+        negative log-likelihood; inside a step that holds them (:meth:`_holding`), also the held weight times
+        the gradient of the held items' token-mean KL(base || adapter) along their replies. Returns the two
+        means (the second 0 where none is held: outside a step, as for :meth:`repair`'s chats).
 
         A reply's first token decides whether it is a tool call (``<tool_call>``) or an answer, and
         that decision is what a batch of one user's calls moves on small talk ("Good evening! Long
@@ -603,7 +604,7 @@ class LoraTrainer:
         average; with one, run DP's for 178 s at the same setting (bench/results/RUNS.md, stops 59-60; the
         batches differ)."""
         tokens = sum(len(response) for _, response in items)
-        bases = [self._base_dists.get((tuple(p), tuple(r))) if hold else None for p, r in items]
+        bases = [self._base_dists.get((tuple(p), tuple(r))) for p, r in items]
         held = sum(len(r) for (_, r), base in zip(items, bases, strict=True) if base is not None)
         total = divergence = 0.0
         for (prompt, response), base in zip(items, bases, strict=True):
@@ -626,13 +627,8 @@ class LoraTrainer:
         are kept for the step ([T, V] float32 an item: ~8 MB for a 40-token reply of SmolLM2's 49,152-token
         vocabulary)."""
         if items:
-            prompts = [p for p, _ in items]
-            with torch.no_grad(), self.model.disable_adapter():
-                self._step_caches = self._prompt_caches(prompts)
-                try:
-                    self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
-                finally:
-                    self._step_caches = {}
+            with torch.no_grad(), self.model.disable_adapter(), self._reusing_prompts([p for p, _ in items]):
+                self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
             self._base_weight = weight
         try:
             yield

@@ -205,13 +205,13 @@ def test_rehearsal_backpropagates_item_by_item_its_likelihood_and_the_kl_from_th
 
     trainer.model.zero_grad(set_to_none=True)
     with trainer._holding(items, 0.5):
-        nll, mean = trainer._rehearse(items, 0.25, hold=True)
+        nll, mean = trainer._rehearse(items, 0.25)
     assert mean == pytest.approx(float(kl.detach().mean()), rel=1e-4) and mean > 0
     assert nll == pytest.approx(-float(logp.detach().mean()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
-    assert trainer._rehearse(items, 0.25, hold=True)[1] == 0.0  # outside a step nothing is held
+    assert trainer._rehearse(items, 0.25)[1] == 0.0  # outside a step nothing is held
 
 
 def test_a_step_that_holds_its_rehearsal_to_the_base_model_moves_it_less_and_says_the_divergence(tiny_model):
