@@ -187,6 +187,24 @@ def test_training_conversations_use_the_servers_real_output_and_the_learners_les
     assert [e.messages for e in examples(5, seed=1)] == [e.messages for e in examples(5, seed=1)]
 
 
+def test_the_warm_start_deals_its_intents_in_even_rounds_the_calculator_twice(tmp_path):
+    from collections import Counter
+
+    from whet.world.conversations import GENERAL_DRAW, BundledTools, ExampleMaker
+    from whet.world.tasks import GENERAL, NATURAL, PERSONAL
+
+    tools = BundledTools(tmp_path)
+    try:
+        maker = ExampleMaker(tools, 0, NATURAL)
+        round_size = sum(GENERAL_DRAW.get(i, 1) for i in GENERAL)
+        dealt = [maker._intent(False) for _ in range(3 * round_size)]
+        assert Counter(dealt) == {i: 3 * GENERAL_DRAW.get(i, 1) for i in GENERAL}
+        assert GENERAL_DRAW == {"calculate": 2} and dealt[:round_size] != dealt[round_size: 2 * round_size]  # shuffled
+        assert Counter(maker._intent(True) for _ in range(2 * len(PERSONAL))) == {i: 2 for i in PERSONAL}
+    finally:
+        tools.close()
+
+
 def test_training_values_are_far_wider_than_what_the_simulated_users_say():
     from whet.servers.clock import resolve_timezone
     from whet.world.conversations import training_vocabulary

@@ -176,6 +176,12 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
     "weekday": ("weekday", "days_between", "add_days"), "days_between": ("days_between", "weekday", "add_days"),
     "add_days": ("add_days", "weekday", "days_between"), "calculate": ("calculate", "convert"),
 }
+# How many of each round of general requests are of an intent (1 when not listed). The
+# calculator's requests share their words with the notes tool's name ("What's 22 plus 45?" ->
+# add_note): at one a round, builds chose the calculator by under 0.4 nats (AMD, AVX-512) or lost
+# it (Intel, AMX: "What is 63 * 6?" -> add_note); at two, by 1.6 to 4.1 nats in four builds on the
+# latter (bench/results/RUNS.md, stop 61).
+GENERAL_DRAW = {"calculate": 2}
 KINDS = {"general": 0.29, "guess": 0.06, "lesson": 0.21, "hint": 0.08, "correction": 0.08, "thanks": 0.05,
          "error": 0.03, "chat": 0.20}
 # what a request's value turns into when the model writes it wrong: the tool refuses it
@@ -279,7 +285,18 @@ class ExampleMaker:
         self.chats = list(chats)
         self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
+        self._decks: dict[bool, list[str]] = {True: [], False: []}  # personal: intents left in this round
         self.system = AgentConfig().system_prompt
+
+    def _intent(self, personal: bool) -> str:
+        """The next intent, dealt from shuffled rounds of every intent (:data:`GENERAL_DRAW` times
+        for a general one) rather than drawn one by one: a few hundred conversations hold only a
+        dozen or so of each intent, and independent draws left some with half the others' share."""
+        deck = self._decks[personal]
+        if not deck:
+            deck.extend(PERSONAL if personal else [i for i in GENERAL for _ in range(GENERAL_DRAW.get(i, 1))])
+            self.rng.shuffle(deck)
+        return deck.pop()
 
     def _solve(self, task: Task, call: ToolUse | None = None) -> list[dict[str, Any]]:
         """Assistant call, tool result, final answer."""
@@ -341,7 +358,7 @@ class ExampleMaker:
         profile = random_profile(self.rng, self.vocab)
         personal = kind in ("guess", "lesson", "hint", "correction") or (
             kind in ("thanks", "error") and self.rng.random() < 0.5)
-        intent = self.rng.choice(PERSONAL if personal else GENERAL)
+        intent = self._intent(personal)
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
         user = task.text

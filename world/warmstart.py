@@ -46,7 +46,7 @@ info has the loss when training."""
 class Recipe:
     """What the warm start trains on and how; the defaults fit 15 minutes on 2 CPU cores."""
 
-    conversations: int = 420
+    conversations: int = 440
     chats: int | None = None  # requests the base model answers for the chat examples, of CHAT_PROMPTS (None: all)
     chat_tokens: int = 56  # longest distilled answer
     batch_size: int = 8
