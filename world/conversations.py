@@ -182,8 +182,12 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
 # it (Intel, AMX: "What is 63 * 6?" -> add_note); at two, by 1.6 to 4.1 nats in four builds on the
 # latter (bench/results/RUNS.md, stop 61).
 GENERAL_DRAW = {"calculate": 2}
-KINDS = {"general": 0.29, "guess": 0.06, "lesson": 0.21, "hint": 0.08, "correction": 0.08, "thanks": 0.05,
-         "error": 0.03, "chat": 0.20}
+# Each kind's share of the conversations, dealt in shuffled rounds of 100 (a kind with no examples
+# to give, chat without chats, is left out). Refused calls are one user's first contact with a new
+# request the model cannot know ("What time is it at Sam's place?"), and at 3% one build made up a
+# time after a refused clock call: 5%.
+KINDS = {"general": 0.27, "guess": 0.06, "lesson": 0.21, "hint": 0.08, "correction": 0.08, "thanks": 0.05,
+         "error": 0.05, "chat": 0.20}
 # what a request's value turns into when the model writes it wrong: the tool refuses it
 BAD_VALUES = ("home", "my place", "here", "local", "the usual", "there", "my list", "?")
 THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
@@ -285,14 +289,17 @@ class ExampleMaker:
         self.chats = list(chats)
         self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
-        self._decks: dict[bool, list[str]] = {True: [], False: []}  # personal: intents left in this round
+        self._kinds: list[str] = []  # the kinds left in this round
+        self._decks: dict[tuple[str, bool], list[str]] = {}  # (kind, personal): intents left in this round
         self.system = AgentConfig().system_prompt
 
-    def _intent(self, personal: bool) -> str:
-        """The next intent, dealt from shuffled rounds of every intent (:data:`GENERAL_DRAW` times
-        for a general one) rather than drawn one by one: a few hundred conversations hold only a
-        dozen or so of each intent, and independent draws left some with half the others' share."""
-        deck = self._decks[personal]
+    def _intent(self, kind: str, personal: bool) -> str:
+        """The next intent of a ``kind``, dealt from shuffled rounds of every intent (:data:`GENERAL_DRAW`
+        times for a general one), a round per kind, rather than drawn one by one: a few hundred
+        conversations hold only a dozen or so of each intent, and a kind such as ``error`` a dozen in
+        all; independent draws left some intents with half the others' share, and one build's
+        conversations held a single refused clock call (its model then made up a time after one)."""
+        deck = self._decks.setdefault((kind, personal), [])
         if not deck:
             deck.extend(PERSONAL if personal else [i for i in GENERAL for _ in range(GENERAL_DRAW.get(i, 1))])
             self.rng.shuffle(deck)
@@ -348,7 +355,10 @@ class ExampleMaker:
         return ToolUse(call.name, {})  # no arguments at all: every bundled tool refuses that
 
     def example(self) -> Example:
-        kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
+        if not self._kinds:
+            self._kinds.extend(k for k, share in self.kinds.items() for _ in range(round(100 * share)))
+            self.rng.shuffle(self._kinds)
+        kind = self._kinds.pop()
         if kind == "chat":
             request, answer = self.rng.choice(self.chats)
             lessons = self._distractors(self.rng.randint(1, 3), None) if self.rng.random() < 0.4 else []
@@ -358,7 +368,7 @@ class ExampleMaker:
         profile = random_profile(self.rng, self.vocab)
         personal = kind in ("guess", "lesson", "hint", "correction") or (
             kind in ("thanks", "error") and self.rng.random() < 0.5)
-        intent = self._intent(personal)
+        intent = self._intent(kind, personal)
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
         user = task.text
