@@ -179,8 +179,8 @@ NEIGHBOURS: dict[str, tuple[str, ...]] = {
 # How many of each round of general requests are of an intent (1 when not listed). The
 # calculator's requests share their words with the notes tool's name ("What's 22 plus 45?" ->
 # add_note): at one a round, builds chose the calculator by under 0.4 nats (AMD, AVX-512) or lost
-# it (Intel, AMX: "What is 63 * 6?" -> add_note); at two, by 1.6 to 4.1 nats in four builds on the
-# latter (bench/results/RUNS.md, stop 61).
+# it (Intel, AMX: "What is 63 * 6?" -> add_note); at two, by over 1.0 nats in all six builds made
+# on the latter (bench/results/warmstart-builds-amx.txt).
 GENERAL_DRAW = {"calculate": 2}
 # Each kind's share of the conversations, dealt in shuffled rounds of 100 (a kind with no examples
 # to give, chat without chats, is left out). Refused calls are one user's first contact with a new
