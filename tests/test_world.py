@@ -197,11 +197,11 @@ def test_the_warm_start_deals_its_intents_in_even_rounds_the_calculator_twice(tm
     try:
         maker = ExampleMaker(tools, 0, NATURAL)
         round_size = sum(GENERAL_DRAW.get(i, 1) for i in GENERAL)
-        dealt = [maker._intent("general", False) for _ in range(3 * round_size)]
+        dealt = [maker._deal(("general", False), maker._general_round) for _ in range(3 * round_size)]
         assert Counter(dealt) == {i: 3 * GENERAL_DRAW.get(i, 1) for i in GENERAL}
         assert GENERAL_DRAW == {"calculate": 2} and dealt[:round_size] != dealt[round_size: 2 * round_size]  # shuffled
         for kind in ("error", "lesson"):  # each kind its own rounds: a rare kind still sees every intent
-            assert Counter(maker._intent(kind, True) for _ in range(2 * len(PERSONAL))) == {i: 2 for i in PERSONAL}
+            assert Counter(maker._deal((kind, True), PERSONAL) for _ in range(2 * len(PERSONAL))) == {i: 2 for i in PERSONAL}
     finally:
         tools.close()
 

@@ -289,21 +289,24 @@ class ExampleMaker:
         self.chats = list(chats)
         self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
-        self._kinds: list[str] = []  # the kinds left in this round
-        self._decks: dict[tuple[str, bool], list[str]] = {}  # (kind, personal): intents left in this round
+        # a round of kinds, and of general intents; each deck holds what is left of its round (:meth:`_deal`)
+        self._kind_round = [k for k, share in self.kinds.items() for _ in range(round(100 * share))]
+        self._general_round = [i for i in GENERAL for _ in range(GENERAL_DRAW.get(i, 1))]
+        self._decks: dict[Any, list[str]] = {}
         self.system = AgentConfig().system_prompt
 
-    def _intent(self, kind: str, personal: bool) -> str:
-        """The next intent of a ``kind``, dealt from shuffled rounds of every intent (:data:`GENERAL_DRAW`
-        times for a general one), a round per kind, rather than drawn one by one: a few hundred
-        conversations hold only a dozen or so of each intent, and a kind such as ``error`` a dozen in
-        all; independent draws left some intents with half the others' share, and one build's
-        conversations held a single refused clock call (its model then made up a time after one)."""
-        deck = self._decks.setdefault((kind, personal), [])
-        if not deck:
-            deck.extend(PERSONAL if personal else [i for i in GENERAL for _ in range(GENERAL_DRAW.get(i, 1))])
-            self.rng.shuffle(deck)
-        return deck.pop()
+    def _deal(self, deck: Any, whole: Sequence[str]) -> str:
+        """The next of ``deck``, dealt from shuffled rounds of ``whole`` rather than drawn one by one: a
+        few hundred conversations hold only a dozen or so of each intent, and a kind such as ``error`` a
+        dozen in all; independent draws left some intents with half the others' share, and one build's
+        conversations held a single refused clock call (its model then made up a time after one). Kinds
+        are one deck; each kind deals its intents from a deck of its own (:data:`GENERAL_DRAW` times
+        for a general one)."""
+        left = self._decks.setdefault(deck, [])
+        if not left:
+            left.extend(whole)
+            self.rng.shuffle(left)
+        return left.pop()
 
     def _solve(self, task: Task, call: ToolUse | None = None) -> list[dict[str, Any]]:
         """Assistant call, tool result, final answer."""
@@ -355,10 +358,7 @@ class ExampleMaker:
         return ToolUse(call.name, {})  # no arguments at all: every bundled tool refuses that
 
     def example(self) -> Example:
-        if not self._kinds:
-            self._kinds.extend(k for k, share in self.kinds.items() for _ in range(round(100 * share)))
-            self.rng.shuffle(self._kinds)
-        kind = self._kinds.pop()
+        kind = self._deal("kinds", self._kind_round)
         if kind == "chat":
             request, answer = self.rng.choice(self.chats)
             lessons = self._distractors(self.rng.randint(1, 3), None) if self.rng.random() < 0.4 else []
@@ -368,7 +368,7 @@ class ExampleMaker:
         profile = random_profile(self.rng, self.vocab)
         personal = kind in ("guess", "lesson", "hint", "correction") or (
             kind in ("thanks", "error") and self.rng.random() < 0.5)
-        intent = self._intent(kind, personal)
+        intent = self._deal((kind, personal), PERSONAL if personal else self._general_round)
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
         user = task.text
