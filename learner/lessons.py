@@ -33,9 +33,12 @@ def lesson_for(verdict: Verdict, request: Sequence[Turn]) -> tuple[str, str] | N
     asked = asked_text(request[0].prompt_messages)
     if verdict.hint and not verdict.hint.startswith(CONTENT_FREE_HINTS):  # "wrong" alone: nothing to reuse
         return lesson_text(asked, hint=verdict.hint), "hint"
-    calls = [call["function"] for turn in request if not ignores_correction(turn)
+    if verdict.score <= 0:
+        return None
+    answer = _answer(request[-1])
+    calls = [call["function"] for turn in request if not ignores_correction(turn) and not misreported(turn, answer)
              for call in turn.tool_calls if call.get("id") not in _failed(turn)]  # fmt: skip
-    if verdict.score > 0 and calls and says_more(asked, calls):
+    if calls and says_more(asked, calls):
         return lesson_text(asked, calls=calls), "success"
     return None
 
@@ -101,6 +104,36 @@ def ignores_correction(turn: Turn) -> bool:
     return bool(named) and not named & carried
 
 
+def misreported(turn: Turn, answer: str) -> bool:
+    """Whether ``answer``, the reply the user read, told them the request's own words where
+    ``turn``'s calls put words of their own: "Add order new glasses to my errands list." answered
+    with ``add_note(list_name="travel")`` (a look-alike lesson's list copied over the one the
+    request named) and then "Added order new glasses to your errands list.".
+
+    The user sees only the answer; thanks for it vouch for what it said, not for a call it did not
+    report. Such a lesson taught every later reminder the wrong list (bench/results/RUNS.md, stop
+    62). The answer misreports when it shows none of the words the calls added to the request and
+    states a word of the user's that neither the calls nor their results hold. An answer that
+    shows what a call added ("It is 21:57 in Lisbon.") or only what it returned ("50 km = 31.07
+    mi.") reports the call."""
+    if not turn.tool_calls or not answer:
+        return False
+    asked = set().union(set(), *map(_words, _request_asks(_asks(turn.prompt_messages))))
+    arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
+    carried = {w for a in arguments if isinstance(a, dict) for value in argument_values(a) for w in _words(value)}
+    said = _words(answer)
+    if (carried - asked) & said:
+        return False
+    results = (turn.next_state or {}).get("results") or [] if turn.next_state_kind == "tool_result" else []
+    returned = set().union(set(), *(_words(content_text(r.get("content"))) for r in results))
+    return bool(said & (asked - carried - returned))
+
+
+def _answer(turn: Turn) -> str:
+    """The reply ``turn`` gave the user in words ("" when it called a tool)."""
+    return "" if turn.tool_calls else (turn.response_text or "")
+
+
 def _words(text: str) -> set[str]:
     """The words of ``text`` that can name something: numbers, and words of three letters or more."""
     return {w for w in re.findall(r"\w+", text.casefold()) if len(w) >= 3 or w.isdigit()}
@@ -120,12 +153,19 @@ def _asks(messages: Sequence[dict[str, Any]]) -> list[str]:
     return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
 
 
-def _asked(asks: Sequence[str]) -> str:
-    """:func:`asked_text` over the user messages' texts."""
+def _request_asks(asks: Sequence[str]) -> Sequence[str]:
+    """The user messages of the request ``asks`` ends in: what was asked, then its corrections
+    and re-asks (earlier requests of the conversation left out)."""
     for i in range(len(asks) - 1, 0, -1):
         if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]) and not is_acknowledgement(asks[i]):
-            return asks[i]
-    return asks[0] if asks else ""
+            return asks[i:]
+    return asks
+
+
+def _asked(asks: Sequence[str]) -> str:
+    """:func:`asked_text` over the user messages' texts."""
+    request = _request_asks(asks)
+    return request[0] if request else ""
 
 
 def lesson_text(asked: str, *, hint: str | None = None, calls: Sequence[Mapping[str, Any]] = ()) -> str:

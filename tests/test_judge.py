@@ -588,3 +588,44 @@ def test_thanks_said_to_a_wrong_answer_before_the_correction_is_not_what_was_ask
     followed = [{"role": "user", "content": "Is it late at home?"}, {"role": "assistant", "content": "9:00 in Lisbon."},
                 {"role": "user", "content": "Thanks! And the time in Paris?"}]  # fmt: skip
     assert asked_text(followed) == "Thanks! And the time in Paris?"
+
+
+def test_thanks_for_an_answer_that_misreports_its_call_teach_no_success_lesson():
+    from types import SimpleNamespace
+
+    from whet.learner.judge import Verdict
+    from whet.learner.lessons import lesson_for, misreported
+
+    thanks = Verdict(1, None, "the user said thanks", "rules")
+
+    def request(asked, arguments, name, result, answer):
+        messages = [{"role": "user", "content": asked}]
+        call = {"id": "c1", "function": {"name": name, "arguments": arguments}}
+        state = {"results": [{"role": "tool", "tool_call_id": "c1", "name": name, "content": result}]}
+        called = SimpleNamespace(prompt_messages=messages, tool_calls=[call], next_state_kind="tool_result",
+                                 next_state=state, response_text="<tool_call>…</tool_call>")
+        answered = SimpleNamespace(prompt_messages=messages, tool_calls=[], next_state_kind="user_message",
+                                   next_state=None, response_text=answer)
+        return [called, answered]
+
+    # a look-alike lesson's list written over the one the request named; the answer names the request's
+    note = '{"text": "order new glasses", "list_name": "travel", "kind": "todo"}'
+    saved = '{"id": 12, "text": "order new glasses", "list": "travel", "kind": "todo"}'
+    lied = request("Add order new glasses to my errands list.", note, "add_note", saved,
+                   "Added order new glasses to your errands list.")
+    assert misreported(lied[0], lied[1].response_text)
+    assert lesson_for(thanks, lied) is None
+    # the same call, reported as it was: the user saw "travel" and thanked it
+    told = request("Add order new glasses to my errands list.", note, "add_note", saved,
+                   "Added order new glasses to your travel list.")
+    assert not misreported(told[0], told[1].response_text)
+    assert '"list_name": "travel"' in lesson_for(thanks, told)[0]
+    # an answer that shows what the call added, or only what the tool returned, reports the call
+    home = request("What time is it at home?", '{"timezone": "Lisbon"}', "now",
+                   '{"timezone": "Europe/Lisbon", "time": "21:57:32"}', "It is 21:57 on Friday in Lisbon.")
+    assert lesson_for(thanks, home)[1] == "success"
+    km = request("The hotel is 50 km from the airport, how far is that?",
+                 '{"value": 50, "from_unit": "km", "to_unit": "miles"}', "convert",
+                 '{"value": 50.0, "from_unit": "km", "to_unit": "mi", "text": "50 km = 31.07 mi"}', "50 km = 31.07 mi.")
+    assert not misreported(km[0], km[1].response_text)
+    assert '"to_unit": "miles"' in lesson_for(thanks, km)[0]
