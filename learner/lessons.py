@@ -124,7 +124,7 @@ def misreported(turn: Turn, answer: str) -> bool:
     said = _words(answer)
     if (carried - asked) & said:
         return False
-    results = (turn.next_state or {}).get("results") or [] if turn.next_state_kind == "tool_result" else []
+    results = ((turn.next_state or {}).get("results") or []) if turn.next_state_kind == "tool_result" else []
     returned = set().union(set(), *(_words(content_text(r.get("content"))) for r in results))
     return bool(said & (asked - carried - returned))
 
