@@ -71,13 +71,23 @@ def _plain_number(value: str) -> str:
     return str(int(number)) if number.is_integer() and abs(number) < 1e15 else value
 
 
+def _results(turn: Turn) -> list[dict[str, Any]]:
+    """The tool results that followed ``turn`` (none when its next state was not a tool's)."""
+    if turn.next_state_kind != "tool_result":
+        return []
+    return (turn.next_state or {}).get("results") or []
+
+
+def _carried(turn: Turn) -> set[str]:
+    """The words of ``turn``'s tool calls' argument values."""
+    arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
+    return {w for a in arguments if isinstance(a, dict) for value in argument_values(a) for w in _words(value)}
+
+
 def _failed(turn: Turn) -> set[str]:
     """The ids of ``turn``'s tool calls whose result was an error: a user who was satisfied in
     the end did not make a call that failed "right" (the answer came from somewhere else)."""
-    if turn.next_state_kind != "tool_result":
-        return set()
-    results = (turn.next_state or {}).get("results") or []
-    return {r.get("tool_call_id") for r in results
+    return {r.get("tool_call_id") for r in _results(turn)
             if content_text(r.get("content")).strip().lower().startswith("error:")}  # fmt: skip
 
 
@@ -99,9 +109,7 @@ def ignores_correction(turn: Turn) -> bool:
     if hint is None or hint.startswith(CONTENT_FREE_HINTS):
         return False
     named = _words(asks[-1]) - _words(_asked(asks))
-    arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
-    carried = {w for a in arguments if isinstance(a, dict) for value in argument_values(a) for w in _words(value)}
-    return bool(named) and not named & carried
+    return bool(named) and not named & _carried(turn)
 
 
 def misreported(turn: Turn, answer: str) -> bool:
@@ -118,14 +126,12 @@ def misreported(turn: Turn, answer: str) -> bool:
     mi.") reports the call."""
     if not turn.tool_calls or not answer:
         return False
-    asked = set().union(set(), *map(_words, _request_asks(_asks(turn.prompt_messages))))
-    arguments = [parse_arguments(call["function"].get("arguments")) for call in turn.tool_calls]
-    carried = {w for a in arguments if isinstance(a, dict) for value in argument_values(a) for w in _words(value)}
+    asked = set().union(*map(_words, _request_asks(_asks(turn.prompt_messages))))
+    carried = _carried(turn)
     said = _words(answer)
     if (carried - asked) & said:
         return False
-    results = ((turn.next_state or {}).get("results") or []) if turn.next_state_kind == "tool_result" else []
-    returned = set().union(set(), *(_words(content_text(r.get("content"))) for r in results))
+    returned = set().union(*(_words(content_text(r.get("content"))) for r in _results(turn)))
     return bool(said & (asked - carried - returned))
 
 
