@@ -497,7 +497,7 @@ class Learner:
         folder = self.registry.folder(scope, user_id)
         holdout = await self.store.samples(split="holdout", user_id=user_id, limit=self.config.gate.holdout_max)
         held = [(j.score, t.prompt_token_ids, t.response_token_ids) for j, t in holdout if j.score != 0]
-        replayed = await self._unkept_hints(user_id, live)
+        replayed = await self._replayed_hints(user_id, live)
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
                    for _, t in batch + replayed]
@@ -507,29 +507,33 @@ class Learner:
         await self._finish(version, scope, user_id, folder / version, state)
         return version
 
-    async def _unkept_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
-        """``learner.replay_hints``: ``user_id``'s lineage's earlier hinted samples that the live weights
-        were not trained on (their step rejected, or retired by a rollback), newest first; none whose
-        hint a sample drops (:func:`_taught_hint`)."""
-        wanted = self.config.replay_hints
-        if wanted <= 0:
+    async def _replayed_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
+        """The earlier hinted samples of ``user_id``'s lineage a step trains again beside its batch, newest
+        first each, none whose hint a sample drops (:func:`_taught_hint`): ``learner.replay_hints`` of those the
+        live weights were not trained on (their step rejected, or retired by a rollback), then
+        ``learner.replay_taught`` of those they were."""
+        if self.config.replay_hints <= 0 and self.config.replay_taught <= 0:
             return []
         # the live version and its ancestors, read in one query (a lineage grows by one a promotion)
         versions = {a.id: a for a in await self.store.list_adapters(self.config.scope, user_id)}
-        kept: set[str] = set()
+        lineage: set[str] = set()
         adapter = live
-        while adapter is not None and adapter.id not in kept:
-            kept.add(adapter.id)
+        while adapter is not None and adapter.id not in lineage:
+            lineage.add(adapter.id)
             adapter = versions.get(adapter.parent) if adapter.parent else None
         found: list[tuple[Judgment, Turn]] = []
-        read = 0
-        while len(found) < wanted:
-            page = await self.store.unkept_hints(user_id=user_id, kept=kept, limit=wanted, offset=read)
-            if not page:
-                break
-            read += len(page)
-            found += [(j, t) for j, t in page if _taught_hint(j.hint, t) is not None]
-        return found[:wanted]
+        for taught, wanted in ((False, self.config.replay_hints), (True, self.config.replay_taught)):
+            these: list[tuple[Judgment, Turn]] = []
+            read = 0
+            while len(these) < wanted:
+                page = await self.store.lineage_hints(user_id=user_id, lineage=lineage, taught=taught, limit=wanted,
+                                                      offset=read)  # fmt: skip
+                if not page:
+                    break
+                read += len(page)
+                these += [(j, t) for j, t in page if _taught_hint(j.hint, t) is not None]
+            found += these[:wanted]
+        return found
 
     def _trainer_now(self) -> LoraTrainer:
         if self._trainer is None:
@@ -557,7 +561,7 @@ class Learner:
                    held: list[tuple[int, list[int], list[int]]], lessons: list[list[str] | None],
                    replayed: list[tuple[Judgment, Turn]]) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
-        turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_unkept_hints`),
+        turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_replayed_hints`),
         :meth:`_sample`'s."""
         clock = _Clock()
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal

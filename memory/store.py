@@ -648,18 +648,22 @@ class Store:
         )
         return await self._run(lambda db: list(db.exec(query).all()))
 
-    async def unkept_hints(self, *, user_id: str | None, kept: Collection[str], limit: int,
-                           offset: int = 0) -> list[tuple[Judgment, Turn]]:  # fmt: skip
-        """Hinted training verdicts whose step was rejected or retired and is not one of ``kept`` (the
-        live adapter's lineage), newest first, with their turns: what the served weights were never
-        taught. One user's only when ``user_id`` is given; ``limit`` of them from ``offset`` on."""
+    async def lineage_hints(self, *, user_id: str | None, lineage: Collection[str], taught: bool, limit: int,
+                            offset: int = 0) -> list[tuple[Judgment, Turn]]:  # fmt: skip
+        """Hinted training verdicts with their turns, newest first; one user's only when ``user_id`` is given,
+        ``limit`` of them from ``offset`` on. ``taught``: those a version of ``lineage`` (the live adapter and
+        its ancestors) was trained on, what the served weights were taught; otherwise those whose step was
+        rejected or retired and is not one of ``lineage``, what the served weights were never taught."""
         query = (
             select(Judgment, Turn)
             .join(Turn, Turn.id == Judgment.turn_id)
             .join(Adapter, Adapter.id == Judgment.trained_in)
-            .where(Judgment.trainable, Judgment.split == "train", Judgment.hint.is_not(None), Judgment.hint != "",
-                   Adapter.status.in_(("rejected", "retired")), Judgment.trained_in.not_in(list(kept)))  # fmt: skip
+            .where(Judgment.trainable, Judgment.split == "train", Judgment.hint.is_not(None), Judgment.hint != "")
         )
+        if taught:
+            query = query.where(Judgment.trained_in.in_(list(lineage)))
+        else:
+            query = query.where(Adapter.status.in_(("rejected", "retired")), Judgment.trained_in.not_in(list(lineage)))
         if user_id is not None:
             query = query.where(Judgment.user_id == user_id)
         query = query.order_by(Judgment.created_at.desc(), Judgment.turn_id).offset(offset).limit(limit)

@@ -939,6 +939,45 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
 
 
 @pytest.mark.anyio
+async def test_replay_taught_trains_the_hints_the_live_lineage_learned_again_beside_each_batch(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    # the user's other requests of a kind, taught again: a step that learns Mum's city must see that back home
+    # was Lisbon (bench runs DQ, DT: the weights wrote one learned city into every "time at ..." request)
+    steps: list[list] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
+    learner = make_learner(learner_config(batch_size=2, replay_taught=2, backoff=0), store, MemoryBus(), tiny_model,
+                           tmp_path)  # fmt: skip
+    encoder = new_trainer(tiny_model)
+
+    async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
+        wrong = await judged_turn(store, encoder, hinted, BAD, -1, "train", hint="The user meant Lisbon time")
+        await judged_turn(store, encoder, plain, GOOD, +1, "train")
+        [version] = await learner.train_ready()
+        return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+
+    _, v1, state = await step(QUESTIONS[0], QUESTIONS[1])
+    assert state["replayed"] == [] and len(steps[-1]) == 2  # nothing taught yet
+    await store.update_adapter(v1, status="rejected")
+    second, v2, state = await step(QUESTIONS[2], QUESTIONS[3])
+    assert state["replayed"] == []  # a rejected step's hint is replay_hints' to teach, not this
+    await store.promote_adapter(v2)
+    third, v3, state = await step("Time in Lisbon?", "Clock?")
+    assert state["replayed"] == [second] and steps[-1][2].turn_id == second and steps[-1][2].teacher_prompt_ids
+    assert (await store.get_judgment(second)).trained_in == v2  # still v2's: replaying marks nothing
+    await store.promote_adapter(v3)
+    fourth, v4, state = await step("Lisbon hour?", "Hour?")
+    assert state["replayed"] == [third, second]  # newest first, the whole live lineage
+    await store.promote_adapter(v4)
+    _, _, state = await step("Hour in Lisbon?", "Now?")
+    assert state["replayed"] == [fourth, third], "at most replay_taught"
+    await store.update_adapter(v4, status="retired")
+    await store.promote_adapter(v3)  # a rollback: v4's hint is no longer in the live weights
+    _, _, state = await step("Lisbon now?", "Time now?")
+    assert state["replayed"] == [third, second]
+
+
+@pytest.mark.anyio
 async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_samples_each_time_unless_forced(
     tiny_model, tmp_path, store, monkeypatch
 ):
@@ -1008,7 +1047,7 @@ async def test_a_hint_that_names_nothing_trains_its_sample_on_the_score_alone(ti
     assert taught[asked].score == taught[wrong].score == -1
     assert taught[named].teacher_prompt_ids is not None
     await store.update_adapter(version, status="rejected")  # a step turned away: only a hint that teaches is replayed
-    assert [t.id for _, t in await learner._unkept_hints(None, None)] == [named]
+    assert [t.id for _, t in await learner._replayed_hints(None, None)] == [named]
 
 
 @pytest.mark.anyio
