@@ -30,7 +30,7 @@ import anyio
 import httpx
 import structlog
 
-from whet.learner.prompt import content_text, last_user_text
+from whet.learner.prompt import content_text
 from whet.memory.store import Feedback, Turn
 
 HINT_LIMIT = 200  # characters; a hint is a directive, not a transcript
@@ -221,7 +221,10 @@ class RulesJudge:
         hint = correction_hint(reply)
         if hint is not None:
             return self._verdict(-1, hint, "the user corrected the answer")
-        if is_requery(reply, last_user_text(context)):
+        # the request as asked and as corrected since: "What date is 60 days after 2026-05-11?", answered wrong,
+        # "That's not what I asked.", answered wrong again, then the request word for word is a re-ask of the
+        # first, not a new request (bench run DZ: read as moving on, it thanked a call to add_note)
+        if any(is_requery(reply, asked) for asked in request_asks(user_texts(context), acknowledged=False)):
             hint = _clip(REQUERY_HINT + _third_person(_tidy(reply)))
             return self._verdict(-1, hint, "the user asked again")
         if _PRAISE.search(reply):
@@ -266,6 +269,22 @@ def _call_list(turn: Turn, approval: dict[str, Any]) -> str:
 
 def _call_name(turn: Turn, call_id: str | None) -> str | None:
     return next((c.get("function", {}).get("name") for c in turn.tool_calls if c.get("id") == call_id), None)
+
+
+def user_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The user messages' texts, in order."""
+    return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
+
+
+def request_asks(asks: Sequence[str], *, acknowledged: bool = True) -> Sequence[str]:
+    """The user messages of the request ``asks`` ends in: what was asked, then its corrections and
+    re-asks (earlier requests of the conversation left out); ``acknowledged``: an acknowledgement
+    ("Thanks!") belongs to the request before it too."""
+    for i in range(len(asks) - 1, 0, -1):
+        follows = correction_hint(asks[i]) is not None or is_requery(asks[i], asks[i - 1])
+        if not follows and not (acknowledged and is_acknowledgement(asks[i])):
+            return asks[i:]
+    return asks
 
 
 def is_requery(reply: str, asked: str) -> bool:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, is_acknowledgement, is_requery
+from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, request_asks, user_texts
 from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
 from whet.memory.index import LESSON_ASKED, argument_values
 from whet.memory.tables import Turn
@@ -102,7 +102,7 @@ def ignores_correction(turn: Turn) -> bool:
     ("That's wrong.") leave nothing to check."""
     if not turn.tool_calls:
         return False
-    asks = _asks(turn.prompt_messages)
+    asks = user_texts(turn.prompt_messages)
     if len(asks) < 2:
         return False
     hint = correction_hint(asks[-1])
@@ -126,7 +126,7 @@ def misreported(turn: Turn, answer: str) -> bool:
     mi.") reports the call."""
     if not turn.tool_calls or not answer:
         return False
-    asked = set().union(*map(_words, _request_asks(_asks(turn.prompt_messages))))
+    asked = set().union(*map(_words, request_asks(user_texts(turn.prompt_messages))))
     carried = _carried(turn)
     said = _words(answer)
     if (carried - asked) & said:
@@ -151,26 +151,12 @@ def asked_text(messages: Sequence[dict[str, Any]]) -> str:
     at home?", and a lesson keyed by the correction would never be retrieved for the next such
     request; nor one keyed by "Thank you!", which a user said to the wrong answer before correcting
     it (the noisy profile's lessons were keyed so)."""
-    return _asked(_asks(messages))
-
-
-def _asks(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The user messages' texts, in order."""
-    return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
-
-
-def _request_asks(asks: Sequence[str]) -> Sequence[str]:
-    """The user messages of the request ``asks`` ends in: what was asked, then its corrections
-    and re-asks (earlier requests of the conversation left out)."""
-    for i in range(len(asks) - 1, 0, -1):
-        if correction_hint(asks[i]) is None and not is_requery(asks[i], asks[i - 1]) and not is_acknowledgement(asks[i]):
-            return asks[i:]
-    return asks
+    return _asked(user_texts(messages))
 
 
 def _asked(asks: Sequence[str]) -> str:
     """:func:`asked_text` over the user messages' texts."""
-    request = _request_asks(asks)
+    request = request_asks(asks)
     return request[0] if request else ""
 
 

@@ -454,7 +454,7 @@ class AdapterView(BaseModel):
     seconds: dict[str, float] | None = None  # where the step's time went: start, replay_before, train, repair, replay_after, pinned_after
     # learner.rehearsal.repair_passes: the rehearsal small talk within repair_margin of a tool call, before each pass
     repairs: list[int] | None = None
-    replayed: int | None = None  # learner.replay_hints: earlier hinted samples the step taught again
+    replayed: int | None = None  # learner.replay_hints and replay_taught: earlier hinted samples the step taught again
     rolled_back: str | None  # why, when it was
 
 

@@ -449,6 +449,29 @@ def test_the_judge_module_imports_neither_the_runtime_nor_fastapi():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_request_asked_again_after_a_correction_is_a_requery_not_a_new_request():
+    # bench run DZ: "What date is 60 days after 2026-05-11?", a wrong answer, "That's not what I asked.", a call
+    # to add_note, then the request word for word: read against the correction alone it was "moved on" (+1)
+    asked = "What date is 60 days after 2026-05-11?"
+    context = [*CONTEXT[:1], {"role": "user", "content": asked}, {"role": "assistant", "content": "It is 02:07 in London."},
+               {"role": "user", "content": "That's not what I asked."}]  # fmt: skip
+    verdict = _rules(_turn("user_message", {"messages": [{"role": "user", "content": asked}]}, prompt_messages=context))
+    assert (verdict.score, verdict.reason) == (-1, "the user asked again")
+    assert verdict.hint == "The user had to ask again: What date is 60 days after 2026-05-11"
+    # after a correction that names a value too
+    context[-1] = {"role": "user", "content": "No, I meant the date in 2027."}
+    assert _rules(_turn("user_message", {"messages": [{"role": "user", "content": asked}]}, prompt_messages=context)).score == -1
+    # an earlier request the user moved on from is not the one answered: asking it again is a new request
+    moved_on = [*context[:3], {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You're welcome!"},
+                {"role": "user", "content": "Note that my shoe size is 43."}]  # fmt: skip
+    verdict = _rules(_turn("user_message", {"messages": [{"role": "user", "content": asked}]}, prompt_messages=moved_on))
+    assert (verdict.score, verdict.reason) == (1, "the user moved on")
+    # nor does thanks tie a request to the one before it
+    thanked = [*context[:3], {"role": "user", "content": "Thanks!"}]
+    verdict = _rules(_turn("user_message", {"messages": [{"role": "user", "content": asked}]}, prompt_messages=thanked))
+    assert (verdict.score, verdict.reason) == (1, "the user moved on")
+
+
 def test_a_reply_that_repeats_the_whole_request_inside_more_words_is_a_requery():
     from whet.learner.judge import is_requery
 
