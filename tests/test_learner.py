@@ -897,14 +897,12 @@ async def test_a_wrong_call_that_copied_a_value_from_a_shown_lesson_trains_no_ne
     assert hinted == {copied, made_up}  # the copied call's hint still teaches the right one
 
 
-@pytest.mark.anyio
-async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_batches_newest_first(
-    tiny_model, tmp_path, store, monkeypatch
-):
+def _replaying(tiny_model, tmp_path, store, monkeypatch, **config: object):
+    """A learner with ``config`` whose steps record their samples (``steps``) and train nothing, and
+    ``step(hinted, plain)``: a hinted -1 and a +1 turn, one step on them; its hinted turn, version and state."""
     steps: list[list] = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
-    learner = make_learner(learner_config(batch_size=2, replay_hints=2, backoff=0), store, MemoryBus(), tiny_model,
-                           tmp_path)  # fmt: skip
+    learner = make_learner(learner_config(batch_size=2, backoff=0, **config), store, MemoryBus(), tiny_model, tmp_path)
     encoder = new_trainer(tiny_model)
 
     async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
@@ -913,6 +911,14 @@ async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_ba
         [version] = await learner.train_ready()
         return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
 
+    return steps, learner, encoder, step
+
+
+@pytest.mark.anyio
+async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_batches_newest_first(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    steps, learner, encoder, step = _replaying(tiny_model, tmp_path, store, monkeypatch, replay_hints=2)
     # an answer read off a tool result trains as a success, its hint dropped: nothing of it to teach again
     read_off = await judged_turn(store, encoder, "Time?", GOOD, -1, "train", hint="The user meant Lisbon time",
                                  tool_result='{"time": "09:00"}')  # fmt: skip
@@ -944,18 +950,7 @@ async def test_replay_taught_trains_the_hints_the_live_lineage_learned_again_bes
 ):
     # the user's other requests of a kind, taught again: a step that learns Mum's city must see that back home
     # was Lisbon (bench runs DQ, DT: the weights wrote one learned city into every "time at ..." request)
-    steps: list[list] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(list(samples)) or {})
-    learner = make_learner(learner_config(batch_size=2, replay_taught=2, backoff=0), store, MemoryBus(), tiny_model,
-                           tmp_path)  # fmt: skip
-    encoder = new_trainer(tiny_model)
-
-    async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
-        wrong = await judged_turn(store, encoder, hinted, BAD, -1, "train", hint="The user meant Lisbon time")
-        await judged_turn(store, encoder, plain, GOOD, +1, "train")
-        [version] = await learner.train_ready()
-        return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
-
+    steps, _, _, step = _replaying(tiny_model, tmp_path, store, monkeypatch, replay_taught=2)
     _, v1, state = await step(QUESTIONS[0], QUESTIONS[1])
     assert state["replayed"] == [] and len(steps[-1]) == 2  # nothing taught yet
     await store.update_adapter(v1, status="rejected")
