@@ -30,7 +30,7 @@ import anyio
 import httpx
 import structlog
 
-from whet.learner.prompt import content_text
+from whet.learner.prompt import content_text, user_texts
 from whet.memory.store import Feedback, Turn
 
 HINT_LIMIT = 200  # characters; a hint is a directive, not a transcript
@@ -214,10 +214,10 @@ class RulesJudge:
         return self._verdict(0, None, "tool ran without error" if results else "no tool results")
 
     def _user_message(self, data: dict[str, Any], context: list[dict[str, Any]]) -> Verdict:
-        replies = [m for m in data.get("messages") or [] if m.get("role") == "user"]
+        replies = user_texts(data.get("messages") or [])
         if not replies:
             return self._verdict(0, None, "no user message followed")
-        reply = " ".join(content_text(replies[0].get("content")).replace("\u2019", "'").split())
+        reply = " ".join(replies[0].replace("\u2019", "'").split())
         hint = correction_hint(reply)
         if hint is not None:
             return self._verdict(-1, hint, "the user corrected the answer")
@@ -269,11 +269,6 @@ def _call_list(turn: Turn, approval: dict[str, Any]) -> str:
 
 def _call_name(turn: Turn, call_id: str | None) -> str | None:
     return next((c.get("function", {}).get("name") for c in turn.tool_calls if c.get("id") == call_id), None)
-
-
-def user_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The user messages' texts, in order."""
-    return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
 
 
 def request_asks(asks: Sequence[str], *, acknowledged: bool = True) -> Sequence[str]:

@@ -15,8 +15,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, request_asks, user_texts
-from whet.learner.prompt import canonical_arguments, content_text, parse_arguments
+from whet.learner.judge import CONTENT_FREE_HINTS, Verdict, correction_hint, request_asks
+from whet.learner.prompt import canonical_arguments, content_text, parse_arguments, user_texts
 from whet.memory.index import LESSON_ASKED, argument_values
 from whet.memory.tables import Turn
 

@@ -87,6 +87,11 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
+def user_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The user messages' texts, in order."""
+    return [content_text(m.get("content")) for m in messages if m.get("role") == "user"]
+
+
 def last_user_text(messages: Sequence[dict[str, Any]]) -> str:
     """The text of the last user message ("" when there is none)."""
     return next((content_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
