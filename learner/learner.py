@@ -78,7 +78,9 @@ from whet.learner.lessons import argument_values, ignores_correction, lesson_for
 from whet.learner.model import resolve_source, stop_token_ids
 from whet.learner.objective import RunningBaseline, objective_from_config
 from whet.learner.prompt import (
+    IM_START,
     TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
     call_opening,
     hinted_prompt_ids,
     last_user_text,
@@ -168,6 +170,7 @@ class Learner:
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
+        self._rehearsal_reads: list[str | None] = []  # ... and the tool whose result it answers from, if any
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
@@ -547,6 +550,7 @@ class Learner:
                 self._rehearsal = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer))
                 self._rehearsal_tools = [_called(self._trainer.tokenizer, r) for _, r in self._rehearsal]
                 self._rehearsal_values = [_called_values(self._trainer.tokenizer, r) for _, r in self._rehearsal]
+                self._rehearsal_reads = [_reads(self._trainer.tokenizer, p) for p, _ in self._rehearsal]
         return self._trainer
 
     def _step_limited(self, *args: Any) -> dict[str, Any]:
@@ -640,7 +644,7 @@ class Learner:
 
     def _rehearsal_for(self, version: str, tools: set[str], passed: set[str]) -> list[tuple[list[int], list[int]]]:
         picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version,
-                                self._rehearsal_values, passed)  # fmt: skip
+                                self._rehearsal_values, passed, self._rehearsal_reads)  # fmt: skip
         return [self._rehearsal[i] for i in picked]
 
     def _anchor(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> Anchor | None:
@@ -889,13 +893,18 @@ def pinned_checks(trainer: LoraTrainer, pinned: Sequence[PinnedAction], regressi
 
 
 def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
-                   values: list[set[str]] | None = None, passed: set[str] = frozenset()) -> list[int]:  # fmt: skip
+                   values: list[set[str]] | None = None, passed: set[str] = frozenset(),
+                   reads: list[str | None] | None = None) -> list[int]:  # fmt: skip
     """Which rehearsal items (each given as the tools it calls) a step whose batch called ``tools``
     rehearses: ``n`` of them. A third (where there are such) are calls of those same tools, what a
     batch that teaches one user's value for a tool is most likely to disturb (the same tool called
     with the value a request names); a third are small talk (no tool), what a batch made only of
     calls pushes towards a call (run M's gate rejected 8 of 10 weights-arm steps for a tool called
-    on "Hello!"); the rest are drawn from all. Seeded (by the version's name), so a step redone
+    on "Hello!"); a sixth are answers read off a tool's result, one tool's in turn (``reads``: the
+    tool whose result each item answers from, None for the rest), because a batch that teaches a
+    user's clock answers rewrites the answers read off other tools' results in their shape (run DX:
+    "It is a Saturday in August 2026." for a date sum) and one answer a step, drawn as small talk,
+    did not hold them; the rest are drawn from all. Seeded (by the version's name), so a step redone
     after a crash draws the same.
 
     ``values`` (the text values each item's calls pass) and ``passed`` (those the batch's calls
@@ -908,8 +917,9 @@ def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
     before (``learner.lora.carry_momentum``)."""
     rng = random.Random(seed)
     n = min(n, len(items))
+    reads = reads or [None] * len(items)
     same = [i for i, called in enumerate(items) if called & tools]
-    talk = [i for i, called in enumerate(items) if not called]
+    talk = [i for i, called in enumerate(items) if not called and not reads[i]]
     k = min(len(same), n // 3)
     # one item for each value the batch passed that some item passes too, in turns, then any
     pools = [pool for v in sorted(passed) if (pool := [i for i in same if values and v in values[i]])]
@@ -923,9 +933,26 @@ def rehearsal_draw(items: list[set[str]], n: int, tools: set[str], seed: str,
     taken = set(picked)
     picked += rng.sample([i for i in same if i not in taken], k - len(picked))
     picked += rng.sample(talk, min(len(talk), n // 3))
+    picked += _spread(rng, {i: tool for i, tool in enumerate(reads) if tool and not items[i]}, n // 6)
     taken = set(picked)
     rest = [i for i in range(len(items)) if i not in taken]
     return picked + rng.sample(rest, n - len(picked))
+
+
+def _spread(rng: random.Random, groups: Mapping[int, str], k: int) -> list[int]:
+    """Up to ``k`` of ``groups``' items (item -> its group), one of each group in turn, the groups in a
+    random order."""
+    pools: dict[str, list[int]] = {}
+    for i, group in groups.items():
+        pools.setdefault(group, []).append(i)
+    order = sorted(pools)
+    rng.shuffle(order)
+    for pool in pools.values():
+        rng.shuffle(pool)
+    picked: list[int] = []
+    while len(picked) < k and any(pools.values()):
+        picked += [pools[group].pop() for group in order if pools[group]][: k - len(picked)]
+    return picked
 
 
 _NUMBER = re.compile(r"[-+]?[\d.,]+")
@@ -952,6 +979,17 @@ def _called(tokenizer: Any, response: list[int]) -> set[str]:
     """The tools a rehearsal reply calls (none for small talk)."""
     text = tokenizer.decode(response)
     return set(_CALLED.findall(text)) if TOOL_CALL_OPEN in text else set()
+
+
+def _reads(tokenizer: Any, prompt: list[int]) -> str | None:
+    """The tool whose result a rehearsal prompt ends with (its reply an answer read off it), or None: the
+    last call's name, where nothing but the result came after it."""
+    text = tokenizer.decode(prompt)
+    before, _, after = text.rpartition(TOOL_RESPONSE_CLOSE)
+    if not before or TOOL_CALL_OPEN in after or after.count(IM_START) > 1:
+        return None
+    names = _CALLED.findall(before.rpartition(TOOL_CALL_OPEN)[2])
+    return names[0] if names else None
 
 
 def _called_values(tokenizer: Any, response: list[int]) -> set[str]:

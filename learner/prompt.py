@@ -25,6 +25,8 @@ from whet.config.jsontext import JsonTextError, parse_json
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_RESPONSE_OPEN = "<tool_response>"
+TOOL_RESPONSE_CLOSE = "</tool_response>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
@@ -157,7 +159,7 @@ def render_chatml(
             closes = i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool"
             parts.append(
                 (f"{IM_START}user" if opens else "")
-                + f"\n<tool_response>\n{message['content']}\n</tool_response>"
+                + f"\n{TOOL_RESPONSE_OPEN}\n{message['content']}\n{TOOL_RESPONSE_CLOSE}"
                 + (f"{IM_END}\n" if closes else "")
             )
         elif role == "assistant" and message.get("tool_calls"):

@@ -280,6 +280,39 @@ def test_a_step_rehearses_first_the_calls_that_pass_a_value_its_batch_passed():
     assert rehearsal_draw(items, 12, {"convert"}, "v") == rehearsal_draw(items, 12, {"convert"}, "v", None, {"celsius"})
 
 
+def test_a_step_rehearses_answers_read_off_the_results_of_every_tool_in_turn(tiny_model):
+    """A sixth of the draw are answers read off a tool's result, one tool's in turn, apart from the small talk
+    third: a batch of one user's clock answers rewrote a date sum's answer in their shape (run DX). What an
+    item answers from is read off its rendered prompt: the last call's name, with only its result after it."""
+    from whet.learner.gate import encode_records
+    from whet.learner.learner import _reads, rehearsal_draw
+    from whet.world.regression import rehearsal_records
+
+    records = list(rehearsal_records())
+    tokenizer = new_trainer(tiny_model).tokenizer
+    reads = [_reads(tokenizer, prompt) for prompt, _ in encode_records(records, tokenizer)]
+    for record, tool in zip(records, reads, strict=True):
+        ends_with_result = record["messages"][-1]["role"] == "tool"
+        assert tool == (record["messages"][-2]["tool_calls"][0]["function"]["name"] if ends_with_result else None)
+    assert set(filter(None, reads)) == {"now", "calculate", "convert", "add_note", "weekday", "days_between",
+                                        "add_to_date"}  # fmt: skip
+
+    items = [{"now"}] * 6 + [set()] * 12 + [set()] * 9
+    reads = [None] * 18 + ["now", "now", "now", "add_to_date", "add_to_date", "add_to_date", "weekday", "weekday",
+                           "calculate"]  # fmt: skip
+    seen = set()
+    for seed in ("global-0001", "global-0002", "global-0003", "global-0004"):
+        picked = rehearsal_draw(items, 18, {"now"}, seed, reads=reads)
+        assert len(picked) == len(set(picked)) == 18
+        assert sum(6 <= i < 18 for i in picked[:12]) == 6  # the small talk third holds no answer
+        answers = [reads[i] for i in picked[12:15]]
+        assert len(set(answers)) == 3 and None not in answers  # three answers, each another tool's
+        seen |= set(answers)
+    assert seen == {"now", "add_to_date", "weekday", "calculate"}
+    # without what the items read, the draw is the one it always was
+    assert rehearsal_draw(items, 18, {"now"}, "v") == rehearsal_draw(items, 18, {"now"}, "v", None, set(), None)
+
+
 def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(
         tiny_model, tmp_path):  # fmt: skip
     """``lora.optimizer: sgd``: one pass changes every LoRA weight by ``lr`` times its (clipped) gradient, so

@@ -124,6 +124,10 @@ REHEARSAL_CHATS = (
 REHEARSAL_CALLS = 24  # general tasks per intent in the rehearsal set, over the warm start's wide vocabulary: a
 # step draws a third of its items from the tools its batch called, and six per intent over the users' vocabulary
 # (six cities) let an adapter keep those six calls and still write one user's home into every other city (run O)
+# of those, the first this many have their answer step too: answers read off every tool's result, a share of
+# each step's draw (learner.learner.rehearsal_draw); with one per intent, promoted steps that learned a user's
+# clock answers still broke the answers read off date results (bench run DX: "It is a Saturday in August 2026.")
+REHEARSAL_ANSWERS = 3 * len(GENERAL)
 PROBE_CALLS = 12  # general calls per intent in the lesson probes: the check asks only the few nearest each lesson
 
 
@@ -134,12 +138,13 @@ def records(seed: int = 0) -> Iterator[dict[str, Any]]:
 
 def rehearsal_records(seed: int = 0) -> Iterator[dict[str, Any]]:
     """The rehearsal set's records, deterministic per seed: :data:`REHEARSAL_CALLS` general tasks
-    per intent over the warm start's wide vocabulary (the first :data:`ANSWERS` tasks with their
+    per intent over the warm start's wide vocabulary (the first :data:`REHEARSAL_ANSWERS` tasks with their
     answer step too) and :data:`REHEARSAL_CHATS`. A request that is also in the regression set is
     left out."""
     pinned = {asked(r) for r in records(seed)}
     vocab = training_vocabulary(pinned_zones=True)
-    yield from _distinct(_records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS, vocab), pinned)
+    made = _records(random.Random(f"rehearsal:{seed}"), REHEARSAL_CALLS, REHEARSAL_CHATS, vocab, REHEARSAL_ANSWERS)
+    yield from _distinct(made, pinned)
 
 
 def probe_records(seed: int = 0) -> Iterator[dict[str, Any]]:
