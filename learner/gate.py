@@ -190,7 +190,10 @@ class PinnedAction:
     from 0.94 to 0.62. This check reads the reply itself: a pinned tool call must be made with
     the same tool and the same arguments (an argument left out equals its schema default; text
     compared without case or spaces), and a pinned answer must be an answer (some text, no tool
-    call) that keeps every number it takes from the turn's tool results.
+    call) that keeps every number it takes from the turn's tool results and, where it reads tool
+    results, writes no number that neither they nor the user's messages hold: "It is 7 on Sunday
+    in 2027-03-21." keeps every number of "That is Sunday, 2027-03-21." and made one up (bench run
+    DX: a lineage that broke the date sums' answers passed every pinned answer).
 
     A pinned answer with no number to keep is decided by its opening (:meth:`tokens`): a chat
     the policy turns into a tool call opens with the call, so decoding the rest of a long answer
@@ -200,6 +203,9 @@ class PinnedAction:
     calls: tuple[tuple[str, str], ...]  # (tool, canonical arguments) of the pinned reply
     defaults: dict[str, dict[str, Any]]  # tool -> argument -> its schema default
     numbers: frozenset[str]  # numbers the pinned answer repeats from the tool results
+    # numbers an answer read off tool results may write (:func:`_plain_numbers`: those results' and the user's
+    # messages'); None: the turn has no tool result
+    said: frozenset[str] | None = None
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> PinnedAction:
@@ -212,7 +218,9 @@ class PinnedAction:
         _, calls, _ = split_tool_calls(record["response"])
         results = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "tool")
         numbers = frozenset(_NUMBER.findall(record["response"])) & frozenset(_NUMBER.findall(results)) if not calls else frozenset()
-        return cls(tuple(_canonical(defaults, name, arguments) for name, arguments in calls), defaults, numbers)
+        asked = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "user")
+        said = _plain_numbers(f"{asked} {results}") if results and not calls else None
+        return cls(tuple(_canonical(defaults, name, arguments) for name, arguments in calls), defaults, numbers, said)
 
     def tokens(self, pinned: int) -> int:
         """How many tokens of a greedy reply :meth:`kept` reads, for a pinned reply of ``pinned``
@@ -227,7 +235,14 @@ class PinnedAction:
             return all(_canonical(self.defaults, *call) == want for call, want in zip(calls, self.calls, strict=True))
         if any(content.endswith(TOOL_CALL_OPEN[:n]) for n in range(2, len(TOOL_CALL_OPEN))):
             return False  # a reply cut off (:meth:`tokens`) as it opened a tool call
+        if self.said is not None and not _plain_numbers(content) <= self.said:
+            return False  # a number made up
         return bool(content) and self.numbers <= set(_NUMBER.findall(content))
+
+
+def _plain_numbers(text: str) -> frozenset[str]:
+    """The numbers ``text`` writes, without leading zeros: a clock's "05:30" is the "5:30" an answer says."""
+    return frozenset(number.lstrip("0") or "0" for number in _NUMBER.findall(text))
 
 
 def _canonical(defaults: dict[str, dict[str, Any]], tool: str, arguments: dict[str, Any]) -> tuple[str, str]:

@@ -105,8 +105,17 @@ def test_a_pinned_answer_calls_nothing_and_keeps_the_numbers_it_read_from_the_to
     assert pinned.kept("22 + 45 = 67.")
     assert not pinned.kept("The answer is 76.")
     assert not pinned.kept(_call('{"text": "67"}'))
+    assert pinned.kept("22 plus 45 is 67.")  # the request's numbers may be said again
+    assert not pinned.kept("It is 7 on Sunday: 67.")  # every number kept, and one made up
+    dated = [{"role": "user", "content": "Which date is 78 days from 2027-01-02?"},
+             {"role": "assistant", "content": "", "tool_calls": []},
+             {"role": "tool", "content": '{"date": "2027-03-21", "weekday": "Sunday", "time": "05:30"}'}]  # fmt: skip
+    pinned = _pinned("That is Sunday, 2027-03-21.", dated)
+    assert pinned.kept("2027-03-21 is a Sunday, 78 days from 2027-01-02.") and pinned.kept("Sunday 2027-03-21, at 5:30.")
+    assert not pinned.kept("It is 7 on Sunday in 2027-03-21.")  # bench run DX's lineage, which passed before
     small_talk = _pinned("A giraffe's tongue can be about 50 centimetres long.")  # 50 comes from no tool
     assert small_talk.kept("Giraffes sleep standing up.") and not small_talk.kept(_call('{"text": "giraffes"}'))
+    assert small_talk.kept("Giraffes sleep 2 hours a day.")  # with no tool result, any number may be written
     assert not small_talk.kept("")  # a reply that ends at once answers nothing
 
 
