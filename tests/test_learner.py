@@ -951,7 +951,7 @@ def _replaying(tiny_model, tmp_path, store, monkeypatch, **config: object):
 async def test_a_hint_whose_step_was_turned_away_is_taught_again_beside_later_batches_newest_first(
     tiny_model, tmp_path, store, monkeypatch
 ):
-    steps, learner, encoder, step = _replaying(tiny_model, tmp_path, store, monkeypatch, replay_hints=2)
+    steps, learner, encoder, step = _replaying(tiny_model, tmp_path, store, monkeypatch, replay_hints=2, replay_taught=0)
     # an answer read off a tool result trains as a success, its hint dropped: nothing of it to teach again
     read_off = await judged_turn(store, encoder, "Time?", GOOD, -1, "train", hint="The user meant Lisbon time",
                                  tool_result='{"time": "09:00"}')  # fmt: skip
