@@ -37,7 +37,7 @@ from statistics import fmean
 from typing import Any
 
 from whet.config.settings import ConfigError
-from whet.learner.prompt import TOOL_CALL_OPEN, prompt_text, split_tool_calls
+from whet.learner.prompt import TOOL_CALL_OPEN, prompt_text, split_tool_calls, user_texts
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class PinnedAction:
         _, calls, _ = split_tool_calls(record["response"])
         results = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "tool")
         numbers = frozenset(_NUMBER.findall(record["response"])) & frozenset(_NUMBER.findall(results)) if not calls else frozenset()
-        asked = " ".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "user")
+        asked = " ".join(user_texts(record["messages"]))
         said = _plain_numbers(f"{asked} {results}") if results and not calls else None
         return cls(tuple(_canonical(defaults, name, arguments) for name, arguments in calls), defaults, numbers, said)
 
