@@ -72,6 +72,7 @@ from whet.learner.judge import (
     RulesJudge,
     Verdict,
     correction_hint,
+    request_asks,
 )
 from whet.learner.lesson_check import Generate, LessonCheck, narrowed
 from whet.learner.lessons import argument_values, ignores_correction, lesson_for
@@ -88,6 +89,7 @@ from whet.learner.prompt import (
     relessoned,
     shown_lessons,
     split_tool_calls,
+    user_texts,
 )
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import (
@@ -332,6 +334,7 @@ class Learner:
             if turn.next_state_kind in FINAL_KINDS or feedback:
                 request = await self.store.request_turns(turn.request_id)
                 await self._credit(request, turn, verdict)
+                await self._credit_asked(request, verdict)
                 if self.config.lessons:
                     await self._lesson(request, verdict)
                     await self._narrow_misled(request, verdict)
@@ -398,6 +401,46 @@ class Learner:
                 continue
             why = f"the request's outcome (turn {final.id}): {verdict.reason}"
             await self._save(turn, Verdict(verdict.score, verdict.hint, why, "credit"))
+
+    async def _credit_asked(self, request: list[Turn], verdict: Verdict) -> None:
+        """A correction that names what was meant teaches the earlier askings of the request it corrects too.
+
+        "Is it late at home?", called wrong; "Is it late at home? Please answer the question.", answered
+        wrong again; "No, I meant Lisbon time.". The first asking's steps were judged when the re-ask came,
+        with a hint that names nothing ("The user had to ask again: ..."), which makes no hinted teacher
+        (:func:`_taught_hint`); the hint that names Lisbon lands on the re-ask's steps, whose prompt holds the
+        failed tries before it. Taught only there, the weights learn Lisbon after a failed exchange, not for
+        the question asked afresh, which is how it comes next time: in bench run ED (stop 65) 15 of the lora
+        arm's 37 directive samples on alex sat behind a re-ask or a correction so, while the first askings
+        ("Is it late at home?", "What's the time where Mum is?", "I ran 50 km today, how far is that?") learnt
+        only their -1.
+
+        The earlier askings are the steps of the conversation's earlier requests whose user messages run up
+        to a message of this request's chain (:func:`~whet.learner.judge.request_asks`), on a prompt that ends
+        with that message. Each judged wrong with a hint that names nothing, or by its tool's error, and not
+        yet trained, takes this verdict's hint. A step already trained keeps what it was trained with."""
+        if verdict.score >= 0 or not verdict.hint or verdict.hint.startswith(CONTENT_FREE_HINTS):
+            return
+        first = request[0]
+        said = user_texts(first.prompt_messages)
+        asks = request_asks(said)
+        start = len(said) - len(asks)  # the chain's first message among the conversation's user messages
+        if len(asks) < 2:
+            return
+        for turn in await self.store.list_turns(session_id=first.session_id, limit=64):
+            messages = turn.prompt_messages or []
+            own_said = user_texts(messages)
+            if (turn.request_id == first.request_id or turn.closed_at is None or turn.created_at > first.created_at
+                    or not messages or messages[-1].get("role") != "user"
+                    or not start < len(own_said) < len(said) or own_said != said[: len(own_said)]):
+                continue
+            own = await self.store.get_judgment(turn.id)
+            if own is None or own.trained_in or own.score >= 0:
+                continue
+            if own.hint and not own.hint.startswith(CONTENT_FREE_HINTS) and not own.reason.endswith(TOOL_FAILED):
+                continue  # its own correction named what was meant
+            why = f"{own.reason}; the correction after it was asked again (turn {request[-1].id}): {verdict.reason}"
+            await self._save(turn, Verdict(-1, verdict.hint, why, "credit"))
 
     async def _lesson(self, request: list[Turn], verdict: Verdict) -> None:
         found = lesson_for(verdict, request)

@@ -24,7 +24,7 @@ from whet.learner.trainer import Anchor, LoraTrainer, Sample
 from whet.memory.bus import LESSON_ADDED, MemoryBus
 from whet.memory.experience import Experience
 from whet.memory.store import Store, open_store
-from whet.memory.tables import Judgment, TurnCreate
+from whet.memory.tables import Judgment, Turn, TurnCreate
 
 from tinytrain import memorize
 
@@ -1454,6 +1454,56 @@ async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(t
     assert (answer.score, answer.hint) == (-1, 'The user meant "Lisbon time"')
     assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, 'The user meant "Lisbon time"', "credit")
     assert "returned an error" in tool_step.reason and tool_step.trainable
+    await bus.aclose()
+
+
+async def answered_in_words(experience: Experience, session_id: str, request_id: str, asked: list[dict],
+                            answer: str) -> Turn:  # fmt: skip
+    """The turn of alice's request ``request_id`` on ``asked`` answered ``answer`` in words, left open."""
+    return await experience.record(TurnCreate(session_id=session_id, user_id="alice", request_id=request_id,
+                                              model="tiny", step=0, prompt_messages=asked, response_text=answer,
+                                              response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+
+
+async def said(experience: Experience, session_id: str, text: str) -> None:
+    """alice's next message closes the session's open turns."""
+    await experience.close_open(session_id, "user_message", {"messages": [{"role": "user", "content": text}]})
+
+
+@pytest.mark.anyio
+async def test_a_correction_after_the_request_was_asked_again_teaches_its_first_asking_too(tmp_path, store):
+    """"Is it late at home?" called now(home), which failed; asked again, answered in words; then "No, I meant
+    Lisbon time.": the first asking's call, judged by the re-ask with a hint that names nothing, takes the
+    correction's hint, so that its prompt, the question asked afresh, teaches Lisbon. An earlier request of
+    the conversation, asked again before it and never corrected, keeps its own verdict."""
+    bus, experience, learner = await judging(tmp_path, store, lessons=False)
+    session = await store.create_session("alice")
+    weekday = "Which weekday is 2027-02-15?"
+    history = [SYSTEM, {"role": "user", "content": weekday}]
+    other = await answered_in_words(experience, session.id, "req-0", history, "It is a Tuesday.")
+    again = f"{weekday} Please answer the question."
+    await said(experience, session.id, again)
+    history += [{"role": "assistant", "content": "It is a Tuesday."}, {"role": "user", "content": again}]
+    await answered_in_words(experience, session.id, "req-1", history, "It is a Monday.")
+    await said(experience, session.id, "Is it late at home?")
+    history += [{"role": "assistant", "content": "It is a Monday."}, {"role": "user", "content": "Is it late at home?"}]
+    error = "error: Unknown timezone 'home'."
+    call, answer = await answered_with_now(experience, session.id, "req-2", history, "home", error, "Sorry.")
+    asked_again = "Is it late at home? Please answer the question."
+    await said(experience, session.id, asked_again)
+    await learner.catch_up()
+    assert (await store.get_judgment(call.id)).hint.startswith(REQUERY_HINT)
+    history += [{"role": "assistant", "content": "Sorry."}, {"role": "user", "content": asked_again}]
+    reasked = await answered_in_words(experience, session.id, "req-3", history, "It is late.")
+    await said(experience, session.id, "No, I meant Lisbon time.")
+    await learner.catch_up()
+    judged = {t.id: await store.get_judgment(t.id) for t in (other, call, answer, reasked)}
+    assert (judged[reasked.id].score, judged[reasked.id].hint) == (-1, 'The user meant "Lisbon time"')
+    assert (judged[call.id].score, judged[call.id].hint, judged[call.id].judge) == (-1, 'The user meant "Lisbon time"',
+                                                                                   "credit")  # fmt: skip
+    assert judged[call.id].trainable
+    assert judged[answer.id].hint.startswith(REQUERY_HINT)  # it read the tool's result: it learns from success only
+    assert (judged[other.id].score, judged[other.id].hint.startswith(REQUERY_HINT)) == (-1, True)
     await bus.aclose()
 
 
