@@ -103,14 +103,19 @@ def opd_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, clip: float) 
 def blamed_tokens(response: Sequence[int], action: Sequence[int] | None) -> list[float]:
     """Which tokens of a wrong ``response`` the evaluative signal should push down, given the
     ``action`` the hinted teacher wrote instead: the span between the prefix and the suffix the two
-    share (1.0 there, 0.0 elsewhere); all of them without an action.
+    share (1.0 there, 0.0 elsewhere); none of them without an action.
 
     A -1 says the action was wrong, not which tokens: pushed down whole, ``add_note(text=...,
     list_name="inbox", kind="todo")`` would lose the markup, the tool's name and the ``kind`` it got
     right with the one list name it got wrong. The hindsight action names the tokens that had to
-    change; the rest were what the teacher would write too."""
+    change; the rest were what the teacher would write too. Without one (a hint that names nothing,
+    "That's wrong." or "The user had to ask again", or a teacher that wrote what the student did)
+    nothing says where the mistake was: "Add order new glasses to my errands list." answered with
+    ``add_note(text="new glasses", list_name="errands")``, then "That's wrong.", pushed down the list
+    the request named with the text it cut short, and the weights arm put "Put buy milk on the
+    reminders list." on ``todo`` (bench/results/RUNS.md, stop 65). Such a -1 teaches nothing."""
     if action is None:
-        return [1.0] * len(response)
+        return [0.0] * len(response)
     head = 0
     while head < min(len(response), len(action)) and response[head] == action[head]:
         head += 1

@@ -765,7 +765,10 @@ def test_a_wrong_action_with_a_hinted_action_is_pushed_down_only_where_the_two_d
     corrected = Sample("t1", prompt, wrong, behaviour, score=-1, teacher_prompt_ids=teacher_prompt)
     assert trainer.step([corrected], baseline=0.0)["rl_tokens"] == sum(blamed)
     unhinted = Sample("t2", prompt, wrong, behaviour, score=-1)
-    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == len(wrong)  # no action: the whole response
+    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == 0.0  # no action: nothing pushed down
+    with torch.no_grad():
+        thanked = Sample("t3", prompt, right, trainer.response_logprobs(prompt, right).tolist(), score=1)
+    assert trainer.step([thanked], baseline=0.0)["rl_tokens"] == len(right)  # a +1 scores the whole response
 
 
 # ----------------------------------------------------------------------------- learner around a store
