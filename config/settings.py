@@ -273,6 +273,10 @@ class ObjectiveConfig(Section):
     # loses its format with its value (0: learn from successes only; hints still teach). With
     # hindsight: action, a -1 pushes down only the tokens where it differs from the hinted action
     rl_negative_weight: float = Field(0.25, ge=0.0, le=1.0)
+    # with hindsight: action, a -1 whose hinted teacher wrote nothing new (no hint, one that names nothing such
+    # as "That's wrong.", or the action the policy wrote) pushes down its whole response: false, no token of
+    # it (nothing says where the mistake was; pushed down whole it taught that a list the request named was wrong)
+    blame_unhinted: bool = True
     opd_weight: float = Field(1.0, ge=0.0)
     kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model
     clip_low: float = Field(0.2, gt=0.0, lt=1.0)
@@ -426,6 +430,11 @@ class LearnerConfig(Section):
     # the user meant is in the call before it, and rewarded, such answers taught requests to be answered in
     # their shape without the call. true: they train as successes (a hint on them goes to the call)
     train_tool_answers: bool = True
+    # true: a correction that names what was meant ("No, I meant Lisbon time.") after the request was asked
+    # again or called "wrong" also gives its hint to the request's earlier askings, judged with a hint that
+    # names nothing (which makes no hinted teacher), so the question asked afresh is taught, not only the
+    # re-ask behind the failed tries; false: only the turn it answers and its request's failed calls take it
+    credit_asked: bool = True
     # each step also trains on up to this many of its lineage's earlier hinted samples whose step the gate
     # rejected or a rollback retired (newest first): a hint that came with a step turned away is taught again
     # beside the new batch, not lost; 0 = none

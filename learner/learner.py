@@ -419,7 +419,8 @@ class Learner:
         to a message of this request's chain (:func:`~whet.learner.judge.request_asks`), on a prompt that ends
         with that message. Each judged wrong with a hint that names nothing, or by its tool's error, and not
         yet trained, takes this verdict's hint. A step already trained keeps what it was trained with."""
-        if verdict.score >= 0 or not verdict.hint or verdict.hint.startswith(CONTENT_FREE_HINTS):
+        if (not self.config.credit_asked or verdict.score >= 0 or not verdict.hint
+                or verdict.hint.startswith(CONTENT_FREE_HINTS)):
             return
         first = request[0]
         said = user_texts(first.prompt_messages)

@@ -100,10 +100,10 @@ def opd_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, clip: float) 
     return (teacher_logp - logp.detach()).clamp(-clip, clip)  # [B, T]
 
 
-def blamed_tokens(response: Sequence[int], action: Sequence[int] | None) -> list[float]:
+def blamed_tokens(response: Sequence[int], action: Sequence[int] | None, unhinted: bool = False) -> list[float]:
     """Which tokens of a wrong ``response`` the evaluative signal should push down, given the
     ``action`` the hinted teacher wrote instead: the span between the prefix and the suffix the two
-    share (1.0 there, 0.0 elsewhere); none of them without an action.
+    share (1.0 there, 0.0 elsewhere); without an action, all of them when ``unhinted``, else none.
 
     A -1 says the action was wrong, not which tokens: pushed down whole, ``add_note(text=...,
     list_name="inbox", kind="todo")`` would lose the markup, the tool's name and the ``kind`` it got
@@ -113,9 +113,11 @@ def blamed_tokens(response: Sequence[int], action: Sequence[int] | None) -> list
     nothing says where the mistake was: "Add order new glasses to my errands list." answered with
     ``add_note(text="new glasses", list_name="errands")``, then "That's wrong.", pushed down the list
     the request named with the text it cut short, and the weights arm put "Put buy milk on the
-    reminders list." on ``todo`` (bench/results/RUNS.md, stop 65). Such a -1 teaches nothing."""
+    reminders list." on ``todo`` (bench/results/RUNS.md, stop 65). Unless ``unhinted``
+    (``learner.objective.blame_unhinted``, on by default until a bench run measures it off), such
+    a -1 teaches nothing."""
     if action is None:
-        return [0.0] * len(response)
+        return [1.0 if unhinted else 0.0] * len(response)
     head = 0
     while head < min(len(response), len(action)) and response[head] == action[head]:
         head += 1
@@ -179,6 +181,7 @@ class BinaryRL:
     clip_low: float = 0.2
     clip_high: float = 0.28
     negative_weight: float = 1.0
+    blame_unhinted: bool = True  # with a hindsight action: a -1 without one pushes down its whole response
 
     def __post_init__(self) -> None:
         _check_clip(self.clip_low, self.clip_high)
@@ -306,6 +309,10 @@ class Combined:
     def needs_teacher_actions(self) -> bool:
         return getattr(self.opd, "needs_teacher_actions", False)
 
+    @property
+    def blame_unhinted(self) -> bool:
+        return self.rl.blame_unhinted
+
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if self.kl_weight > 0.0 and batch.ref_logp is None:
             raise ValueError(
@@ -351,13 +358,15 @@ def build_objective(
     kl_weight: float = 0.0,
     hindsight: str = "token",
     rl_negative_weight: float = 1.0,
+    blame_unhinted: bool = True,
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
 
     ``hindsight``: how hints teach: ``token`` (:class:`HindsightOPD`, the sampled tokens' advantage),
     ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution) or
     ``action`` (:class:`HindsightAction`, the hinted teacher's own action).
-    ``rl_negative_weight``: :class:`BinaryRL`'s scale on negative advantages.
+    ``rl_negative_weight``: :class:`BinaryRL`'s scale on negative advantages; ``blame_unhinted``: whether a
+    -1 with no hindsight action pushes down its whole response (:func:`blamed_tokens`).
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused
@@ -369,7 +378,8 @@ def build_objective(
         raise ValueError(f"kl_weight applies to objective 'combined' only, not {kind!r}")
     if hindsight not in _HINDSIGHT:
         raise ValueError(f"unknown hindsight form {hindsight!r}; valid: {', '.join(sorted(_HINDSIGHT))}")
-    rl = BinaryRL(clip_low=clip_low, clip_high=clip_high, negative_weight=rl_negative_weight)
+    rl = BinaryRL(clip_low=clip_low, clip_high=clip_high, negative_weight=rl_negative_weight,
+                  blame_unhinted=blame_unhinted)
     opd = _HINDSIGHT[hindsight](clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip)
     weights = {"rl_weight": rl_weight, "opd_weight": opd_weight, "kl_weight": kl_weight}
     return _BUILDERS[kind](rl, opd, **weights)
@@ -379,7 +389,8 @@ def objective_from_config(o: Any) -> Objective:
     """The objective a ``learner.objective`` config section names (``ObjectiveConfig``)."""
     return build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
                            rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight,
-                           hindsight=o.hindsight, rl_negative_weight=o.rl_negative_weight)  # fmt: skip
+                           hindsight=o.hindsight, rl_negative_weight=o.rl_negative_weight,
+                           blame_unhinted=o.blame_unhinted)  # fmt: skip
 
 
 @dataclass

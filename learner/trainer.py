@@ -562,7 +562,9 @@ class LoraTrainer:
         if actions is not None and learnt is not None:
             batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
             batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
-            batch.rl_mask = _padded([blamed_tokens(s.response_ids, a) if s.score < 0 else [1.0] * len(s.response_ids)
+            unhinted = getattr(self.objective, "blame_unhinted", True)
+            batch.rl_mask = _padded([blamed_tokens(s.response_ids, a, unhinted) if s.score < 0
+                                     else [1.0] * len(s.response_ids)
                                      for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
         return batch
 

@@ -765,7 +765,9 @@ def test_a_wrong_action_with_a_hinted_action_is_pushed_down_only_where_the_two_d
     corrected = Sample("t1", prompt, wrong, behaviour, score=-1, teacher_prompt_ids=teacher_prompt)
     assert trainer.step([corrected], baseline=0.0)["rl_tokens"] == sum(blamed)
     unhinted = Sample("t2", prompt, wrong, behaviour, score=-1)
-    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == 0.0  # no action: nothing pushed down
+    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == len(wrong)  # no action: the whole response
+    trainer.objective = build_objective("combined", hindsight="action", blame_unhinted=False)
+    assert trainer.step([unhinted], baseline=0.0)["rl_tokens"] == 0.0  # ... or, blame_unhinted off, no token
     with torch.no_grad():
         thanked = Sample("t3", prompt, right, trainer.response_logprobs(prompt, right).tolist(), score=1)
     assert trainer.step([thanked], baseline=0.0)["rl_tokens"] == len(right)  # a +1 scores the whole response
@@ -1507,6 +1509,23 @@ async def test_a_correction_after_the_request_was_asked_again_teaches_its_first_
     assert judged[call.id].trainable
     assert judged[answer.id].hint.startswith(REQUERY_HINT)  # it read the tool's result: it learns from success only
     assert (judged[other.id].score, judged[other.id].hint.startswith(REQUERY_HINT)) == (-1, True)
+    await bus.aclose()
+
+
+@pytest.mark.anyio
+async def test_with_credit_asked_off_a_correction_after_a_re_ask_teaches_only_the_re_ask(tmp_path, store):
+    bus, experience, learner = await judging(tmp_path, store, lessons=False, credit_asked=False)
+    session = await store.create_session("alice")
+    history = [SYSTEM, {"role": "user", "content": "Is it late at home?"}]
+    call, _ = await answered_with_now(experience, session.id, "req-1", history, "home", "error: Unknown timezone.", "Sorry.")
+    asked_again = "Is it late at home? Please answer the question."
+    await said(experience, session.id, asked_again)
+    history += [{"role": "assistant", "content": "Sorry."}, {"role": "user", "content": asked_again}]
+    reasked = await answered_in_words(experience, session.id, "req-2", history, "It is late.")
+    await said(experience, session.id, "No, I meant Lisbon time.")
+    await learner.catch_up()
+    assert (await store.get_judgment(reasked.id)).hint == 'The user meant "Lisbon time"'
+    assert (await store.get_judgment(call.id)).hint.startswith(REQUERY_HINT)
     await bus.aclose()
 
 
