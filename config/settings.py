@@ -433,8 +433,10 @@ class LearnerConfig(Section):
     # true: a correction that names what was meant ("No, I meant Lisbon time.") after the request was asked
     # again or called "wrong" also gives its hint to the request's earlier askings, judged with a hint that
     # names nothing (which makes no hinted teacher), so the question asked afresh is taught, not only the
-    # re-ask behind the failed tries; false: only the turn it answers and its request's failed calls take it
-    credit_asked: bool = True
+    # re-ask behind the failed tries; false: only the turn it answers and its request's failed calls take it.
+    # Off until measured against a control: with it the lora arm gave alex 0.21 and jun 0.42 (runs EG, EH, stop 65;
+    # jun had 0.62 at the defaults in runs DY and EB of earlier code)
+    credit_asked: bool = False
     # each step also trains on up to this many of its lineage's earlier hinted samples whose step the gate
     # rejected or a rollback retired (newest first): a hint that came with a step turned away is taught again
     # beside the new batch, not lost; 0 = none

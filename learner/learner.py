@@ -403,7 +403,8 @@ class Learner:
             await self._save(turn, Verdict(verdict.score, verdict.hint, why, "credit"))
 
     async def _credit_asked(self, request: list[Turn], verdict: Verdict) -> None:
-        """A correction that names what was meant teaches the earlier askings of the request it corrects too.
+        """With ``learner.credit_asked``: a correction that names what was meant teaches the earlier askings of
+        the request it corrects too.
 
         "Is it late at home?", called wrong; "Is it late at home? Please answer the question.", answered
         wrong again; "No, I meant Lisbon time.". The first asking's steps were judged when the re-ask came,

@@ -1481,7 +1481,7 @@ async def test_a_correction_after_the_request_was_asked_again_teaches_its_first_
     Lisbon time.": the first asking's call, judged by the re-ask with a hint that names nothing, takes the
     correction's hint, so that its prompt, the question asked afresh, teaches Lisbon. An earlier request of
     the conversation, asked again before it and never corrected, keeps its own verdict."""
-    bus, experience, learner = await judging(tmp_path, store, lessons=False)
+    bus, experience, learner = await judging(tmp_path, store, lessons=False, credit_asked=True)
     session = await store.create_session("alice")
     weekday = "Which weekday is 2027-02-15?"
     history = [SYSTEM, {"role": "user", "content": weekday}]
@@ -1514,7 +1514,8 @@ async def test_a_correction_after_the_request_was_asked_again_teaches_its_first_
 
 @pytest.mark.anyio
 async def test_with_credit_asked_off_a_correction_after_a_re_ask_teaches_only_the_re_ask(tmp_path, store):
-    bus, experience, learner = await judging(tmp_path, store, lessons=False, credit_asked=False)
+    """The default: the first asking keeps the verdict the re-ask gave it."""
+    bus, experience, learner = await judging(tmp_path, store, lessons=False)
     session = await store.create_session("alice")
     history = [SYSTEM, {"role": "user", "content": "Is it late at home?"}]
     call, _ = await answered_with_now(experience, session.id, "req-1", history, "home", "error: Unknown timezone.", "Sorry.")
