@@ -275,7 +275,7 @@ class ObjectiveConfig(Section):
     rl_negative_weight: float = Field(0.25, ge=0.0, le=1.0)
     # with hindsight: action, a -1 whose hinted teacher wrote nothing new (no hint, one that names nothing such
     # as "That's wrong.", or the action the policy wrote) pushes down its whole response: false, no token of
-    # it (nothing says where the mistake was; pushed down whole it taught that a list the request named was wrong)
+    # it (nothing says where the mistake was; pushed down whole it pushes down a list the request named too)
     blame_unhinted: bool = True
     opd_weight: float = Field(1.0, ge=0.0)
     kl_weight: float = Field(0.0, ge=0.0)  # > 0 adds a KL penalty to the base model

@@ -411,10 +411,9 @@ class Learner:
         with a hint that names nothing ("The user had to ask again: ..."), which makes no hinted teacher
         (:func:`_taught_hint`); the hint that names Lisbon lands on the re-ask's steps, whose prompt holds the
         failed tries before it. Taught only there, the weights learn Lisbon after a failed exchange, not for
-        the question asked afresh, which is how it comes next time: in bench run ED (stop 65) 15 of the lora
-        arm's 37 directive samples on alex sat behind a re-ask or a correction so, while the first askings
-        ("Is it late at home?", "What's the time where Mum is?", "I ran 50 km today, how far is that?") learnt
-        only their -1.
+        the question asked afresh, which is how it comes next time: in bench run ED's lora arm (stop 65) three
+        of alex's first askings ("Is it late at home?", "What's the time where Mum is?", "I ran 50 km today, how
+        far is that?") learnt only their -1 so, beside 22 with a hint of their own.
 
         The earlier askings are the steps of the conversation's earlier requests whose user messages run up
         to a message of this request's chain (:func:`~whet.learner.judge.request_asks`), on a prompt that ends

@@ -100,7 +100,7 @@ def opd_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, clip: float) 
     return (teacher_logp - logp.detach()).clamp(-clip, clip)  # [B, T]
 
 
-def blamed_tokens(response: Sequence[int], action: Sequence[int] | None, unhinted: bool = False) -> list[float]:
+def blamed_tokens(response: Sequence[int], action: Sequence[int] | None, unhinted: bool = True) -> list[float]:
     """Which tokens of a wrong ``response`` the evaluative signal should push down, given the
     ``action`` the hinted teacher wrote instead: the span between the prefix and the suffix the two
     share (1.0 there, 0.0 elsewhere); without an action, all of them when ``unhinted``, else none.
@@ -111,11 +111,11 @@ def blamed_tokens(response: Sequence[int], action: Sequence[int] | None, unhinte
     change; the rest were what the teacher would write too. Without one (a hint that names nothing,
     "That's wrong." or "The user had to ask again", or a teacher that wrote what the student did)
     nothing says where the mistake was: "Add order new glasses to my errands list." answered with
-    ``add_note(text="new glasses", list_name="errands")``, then "That's wrong.", pushed down the list
-    the request named with the text it cut short, and the weights arm put "Put buy milk on the
-    reminders list." on ``todo`` (bench/results/RUNS.md, stop 65). Unless ``unhinted``
-    (``learner.objective.blame_unhinted``, on by default until a bench run measures it off), such
-    a -1 teaches nothing."""
+    ``add_note(text="new glasses", list_name="errands")``, then "That's wrong.", pushes down the list
+    the request named with the text it cut short (bench/results/RUNS.md, stop 65: the same arm later
+    put "Put buy milk on the reminders list." on ``todo``; a candidate cause, not measured). With
+    ``unhinted`` off (``learner.objective.blame_unhinted: false``; on by default until a bench run
+    measures it off) such a -1 teaches nothing."""
     if action is None:
         return [1.0 if unhinted else 0.0] * len(response)
     head = 0

@@ -314,8 +314,8 @@ def test_blamed_tokens_are_the_span_where_the_wrong_response_and_the_hinted_acti
     assert blamed_tokens([1, 2, 3, 4], [1, 2]) == [0.0, 0.0, 1.0, 1.0]
     assert blamed_tokens([7, 8], [1, 2]) == [1.0, 1.0]
     assert blamed_tokens([1, 1, 1], [1, 1]) == [0.0, 0.0, 1.0]  # prefix and suffix never overlap
-    assert blamed_tokens([1, 2, 3], None) == [0.0, 0.0, 0.0]  # no action: nothing says where it went wrong
-    assert blamed_tokens([1, 2, 3], None, unhinted=True) == [1.0, 1.0, 1.0]  # ... or, as by default, all of it
+    assert blamed_tokens([1, 2, 3], None) == [1.0, 1.0, 1.0]  # no action: by default the whole response
+    assert blamed_tokens([1, 2, 3], None, unhinted=False) == [0.0, 0.0, 0.0]  # ... or none of it
 
 
 def test_binary_rl_scores_only_the_tokens_the_rl_mask_names():
