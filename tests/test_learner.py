@@ -1353,6 +1353,20 @@ async def time_at_home(store: Store, experience: Experience, timezone: str, resu
     return (session, *await answered_with_now(experience, session.id, "req-1", asked, timezone, result, answer))
 
 
+async def answered_in_words(experience: Experience, session_id: str, request_id: str, asked: list[dict],
+                            answer: str, step: int = 0, user: str = "alice") -> Turn:  # fmt: skip
+    """The turn (step ``step``) of ``user``'s request ``request_id`` on ``asked`` answered ``answer`` in words,
+    left open."""
+    return await experience.record(TurnCreate(session_id=session_id, user_id=user, request_id=request_id,
+                                              model="tiny", step=step, prompt_messages=asked, response_text=answer,
+                                              response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
+
+
+async def said(experience: Experience, session_id: str, text: str) -> None:
+    """The user's next message, ``text``, closes the session's open turns."""
+    await experience.close_open(session_id, "user_message", {"messages": [{"role": "user", "content": text}]})
+
+
 async def answered_with_now(experience: Experience, session_id: str, request_id: str, asked: list[dict],
                             timezone: str, result: str, answer: str) -> tuple:  # fmt: skip
     """(call turn, answer turn) of alice's request ``request_id`` on ``asked``: a call of now(timezone) whose
@@ -1364,9 +1378,7 @@ async def answered_with_now(experience: Experience, session_id: str, request_id:
     await experience.close(step0.id, "tool_result", {"results": [{"role": "tool", "name": "now", "content": result}]})
     called = [*asked, {"role": "assistant", "content": "", "tool_calls": [call]},
               {"role": "tool", "tool_call_id": "c1", "name": "now", "content": result}]  # fmt: skip
-    step1 = await experience.record(TurnCreate(**common, step=1, prompt_messages=called, response_text=answer,
-                                               response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
-    return step0, step1
+    return step0, await answered_in_words(experience, session_id, request_id, called, answer, step=1)
 
 
 @pytest.mark.anyio
@@ -1376,8 +1388,7 @@ async def test_a_correction_becomes_a_verdict_with_a_hint_credit_for_the_tool_st
     async with bus.subscribe(LESSON_ADDED) as events:
         await learner.catch_up()  # judges the tool step: ran fine, so neutral for now
         assert (await store.get_judgment(step0.id)).score == 0
-        await experience.close_open(session.id, "user_message",
-                                    {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})
+        await said(experience, session.id, "No, I meant Lisbon time")
         await learner.catch_up()
         event = await anext(aiter(events))
     final, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
@@ -1399,7 +1410,7 @@ async def test_a_call_that_ignored_the_correction_gets_no_credit_when_the_user_m
              {"role": "assistant", "content": "It is 10:31 in Sydney."},
              {"role": "user", "content": "No, I meant Tokyo time, Sam lives in Tokyo."}]  # fmt: skip
     step0, step1 = await answered_with_now(experience, session.id, "req-1", asked, "Tbilisi", "03:32", "It is 03:32 in Tokyo.")
-    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Alright."}]})
+    await said(experience, session.id, "Alright.")
     await learner.catch_up()
     assert (await store.get_judgment(step1.id)).score == 1
     assert (await store.get_judgment(step0.id)).score == 0  # its tool ran; the user's reply does not reach it
@@ -1416,11 +1427,11 @@ async def test_a_corrections_own_call_trains_only_when_train_corrections_is_on(t
     session, step0, step1 = await time_at_home(store, experience, "Europe/Paris", "10:00", "It is 10:00.")
     await learner.catch_up()
     correction = {"role": "user", "content": "No, I meant Lisbon time"}
-    await experience.close_open(session.id, "user_message", {"messages": [correction]})
+    await said(experience, session.id, correction["content"])
     asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"},
              {"role": "assistant", "content": "It is 10:00."}, correction]  # fmt: skip
     retry, answer = await answered_with_now(experience, session.id, "req-2", asked, "Lisbon", "09:00", "It is 09:00.")
-    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
+    await said(experience, session.id, "Thanks!")
     await learner.catch_up()
     judged = {t.id: await store.get_judgment(t.id) for t in (step0, step1, retry, answer)}
     assert [judged[t.id].score for t in (step0, step1, retry, answer)] == [-1, -1, 1, 1]
@@ -1437,7 +1448,7 @@ async def test_an_answer_read_off_a_tool_trains_only_when_train_tool_answers_is_
     still does."""
     bus, experience, learner = await judging(tmp_path, store, train_tool_answers=train_tool_answers)
     session, call, answer = await time_at_home(store, experience, "Lisbon", "09:00", "It is 09:00.")
-    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "Thanks!"}]})
+    await said(experience, session.id, "Thanks!")
     await learner.catch_up()
     judged = [await store.get_judgment(t.id) for t in (call, answer)]
     assert [j.score for j in judged] == [1, 1]
@@ -1452,27 +1463,13 @@ async def test_a_call_whose_tool_failed_takes_the_users_correction_as_its_hint(t
     session, step0, step1 = await time_at_home(store, experience, "Espresso", error, "Sorry.")
     await learner.catch_up()
     assert (await store.get_judgment(step0.id)).hint.startswith("Calling now failed")
-    await experience.close_open(session.id, "user_message",
-                                {"messages": [{"role": "user", "content": "No, I meant Lisbon time"}]})  # fmt: skip
+    await said(experience, session.id, "No, I meant Lisbon time")
     await learner.catch_up()
     answer, tool_step = await store.get_judgment(step1.id), await store.get_judgment(step0.id)
     assert (answer.score, answer.hint) == (-1, 'The user meant "Lisbon time"')
     assert (tool_step.score, tool_step.hint, tool_step.judge) == (-1, 'The user meant "Lisbon time"', "credit")
     assert "returned an error" in tool_step.reason and tool_step.trainable
     await bus.aclose()
-
-
-async def answered_in_words(experience: Experience, session_id: str, request_id: str, asked: list[dict],
-                            answer: str) -> Turn:  # fmt: skip
-    """The turn of alice's request ``request_id`` on ``asked`` answered ``answer`` in words, left open."""
-    return await experience.record(TurnCreate(session_id=session_id, user_id="alice", request_id=request_id,
-                                              model="tiny", step=0, prompt_messages=asked, response_text=answer,
-                                              response_token_ids=[3], response_logprobs=[-0.3]))  # fmt: skip
-
-
-async def said(experience: Experience, session_id: str, text: str) -> None:
-    """alice's next message closes the session's open turns."""
-    await experience.close_open(session_id, "user_message", {"messages": [{"role": "user", "content": text}]})
 
 
 @pytest.mark.anyio
@@ -1625,12 +1622,9 @@ class _FailsOnBoom(RulesJudge):
 
 async def closed_answer(experience: Experience, store: Store, answer: str, reply: str, user: str = "alice") -> str:
     session = await store.create_session(user)
-    turn = await experience.record(TurnCreate(
-        session_id=session.id, user_id=user, request_id=f"req-{session.id}", step=0, model="tiny",
-        prompt_messages=[SYSTEM, {"role": "user", "content": "What time is it at home?"}], response_text=answer,
-        response_token_ids=[3], response_logprobs=[-0.3],
-    ))  # fmt: skip
-    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": reply}]})
+    asked = [SYSTEM, {"role": "user", "content": "What time is it at home?"}]
+    turn = await answered_in_words(experience, session.id, f"req-{session.id}", asked, answer, user=user)
+    await said(experience, session.id, reply)
     return turn.id
 
 
@@ -1689,7 +1683,7 @@ async def replayed_splits(tmp_path: Path, url: str, unlearned: bool = True) -> l
                                 learn=False)  # fmt: skip
     requests += [await closed_answer(experience, store, f"It is {hour}:00.", "thanks") for hour in range(3, 10)]
     session, *steps = await time_at_home(store, experience, "Europe/Lisbon", "10:00", "It is 10:00.")
-    await experience.close_open(session.id, "user_message", {"messages": [{"role": "user", "content": "thanks"}]})
+    await said(experience, session.id, "thanks")
     await learner.catch_up()
     sides = [[(await store.get_judgment(turn_id)).split] for turn_id in requests]
     sides.append([(await store.get_judgment(step.id)).split for step in steps])
