@@ -129,6 +129,11 @@ class Progress:
     rejected: list[str] = field(default_factory=list)
     rolled_back: list[str] = field(default_factory=list)
     last_step: dict[str, Any] = field(default_factory=dict)
+    # what the running training step does now (None: no step running), and the units of work steps have done:
+    # a phase begun, a rehearsal reply distilled, an optimizer pass. A client that waits on the learner (the
+    # bench) sees a long step advance: on one core of an old CPU a first step runs over 15 minutes
+    phase: str | None = None
+    work: int = 0
 
 
 class Learner:
@@ -292,7 +297,7 @@ class Learner:
                 "lessons_narrowed": p.lessons_narrowed, "lessons_misled": p.lessons_misled,
                 "lesson_check_s": round(p.lesson_check_s, 1), "steps": p.steps,
                 "promoted": len(p.promoted), "rejected": len(p.rejected), "rolled_back": len(p.rolled_back),
-                "deferred": deferred, "busy": busy}  # fmt: skip
+                "deferred": deferred, "phase": p.phase, "work": p.work, "busy": busy}  # fmt: skip
 
     async def catch_up(self) -> int:
         """Judge every closed turn that has no verdict yet; returns how many were judged."""
@@ -591,7 +596,8 @@ class Learner:
                 # are), run K's gate let through steps that took general tasks from 0.94 to 0.62
                 self._regression = self._regression_loader(self._trainer.tokenizer)
             if self._rehearsal_loader is not None:
-                self._rehearsal = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer))
+                self._rehearsal = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer),
+                                                 tick=self._worked)
                 self._rehearsal_tools = [_called(self._trainer.tokenizer, r) for _, r in self._rehearsal]
                 self._rehearsal_values = [_called_values(self._trainer.tokenizer, r) for _, r in self._rehearsal]
                 self._rehearsal_reads = [_reads(self._trainer.tokenizer, p) for p, _ in self._rehearsal]
@@ -603,6 +609,7 @@ class Learner:
             with limited_threads(training_threads(self.config.threads)):
                 return self._step_sync(*args)
         finally:
+            self.progress.phase = None
             release_memory()
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
@@ -611,7 +618,7 @@ class Learner:
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_replayed_hints`),
         :meth:`_sample`'s."""
-        clock = _Clock()
+        clock = _Clock(self._begun)
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
             trainer = self._trainer_now()
         parent = _parent_state(live)
@@ -634,7 +641,7 @@ class Learner:
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
                                  self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal),
-                                 self.config.rehearsal.kl_weight)  # fmt: skip
+                                 self.config.rehearsal.kl_weight, tick=self._worked)  # fmt: skip
         with clock("repair"):
             repairs = self._repair(trainer, rehearsal)
         baseline.update([s.score for s in samples])
@@ -822,6 +829,14 @@ class Learner:
     def _hook(self, point: str) -> None:
         if self._on_step is not None:
             self._on_step(point)
+
+    def _begun(self, phase: str) -> None:
+        """A step's ``phase`` begins (in the training thread): :meth:`status` shows it, and counts it as work."""
+        self.progress.phase = phase
+        self._worked()
+
+    def _worked(self) -> None:
+        self.progress.work += 1
 
     async def _finish(self, version: str, scope: str, user_id: str | None, path: Path, state: dict[str, Any]) -> None:
         """Register a saved version with its batch, then gate it: promote or reject."""
@@ -1094,16 +1109,19 @@ def misled_lessons(request: Sequence[Turn], hint: str, lessons: Sequence[Lesson]
     return list(found.values())
 
 
-def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]],
-                   max_tokens: int = 64) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]], max_tokens: int = 64,
+                   tick: Callable[[], None] | None = None) -> list[tuple[list[int], list[int]]]:  # fmt: skip
     """The rehearsal set with each reply that is not a tool call replaced by the base model's own
     (greedy, before any training): rehearsal then keeps how this model already talks instead of
     teaching it the set's wording, which moved the gate's pinned small talk ("Hello!" fell 0.69
-    nats/token in one step). Tool calls keep the set's text: the right call is the skill."""
+    nats/token in one step). Tool calls keep the set's text: the right call is the skill. ``tick``: called
+    after each reply the model wrote (a reply is a few seconds on one slow core; the set holds dozens)."""
     out = []
     for prompt, response in items:
         if TOOL_CALL_OPEN not in trainer.tokenizer.decode(response):
             response = trainer.teacher_action(prompt, max_tokens)
+            if tick is not None:
+                tick()
         if response:
             out.append((prompt, response))
     return out
@@ -1216,13 +1234,17 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
 
 
 class _Clock:
-    """Wall seconds by phase: ``with clock("train"): ...`` adds the block's time to ``seconds["train"]``."""
+    """Wall seconds by phase: ``with clock("train"): ...`` adds the block's time to ``seconds["train"]``;
+    ``begun(phase)`` is called as each block begins."""
 
-    def __init__(self) -> None:
+    def __init__(self, begun: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.begun = begun
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        if self.begun is not None:
+            self.begun(phase)
         started = time.perf_counter()
         try:
             yield

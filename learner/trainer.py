@@ -23,7 +23,7 @@ import ctypes
 import inspect
 import os
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -411,7 +411,7 @@ class LoraTrainer:
     def step(self, samples: Sequence[Sample], baseline: float,
              rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0,
              rehearsal_first: float = 0.0, anchor: Anchor | None = None,
-             rehearsal_kl: float = 0.0) -> dict[str, float]:  # fmt: skip
+             rehearsal_kl: float = 0.0, tick: Callable[[], None] | None = None) -> dict[str, float]:  # fmt: skip
         """One training step on ``samples``: ``lora.epochs`` optimizer passes over them (the
         teacher's side, computed once before the first); returns the objective's statistics of
         the last pass, with the first pass's loss as ``loss_first``.
@@ -429,14 +429,17 @@ class LoraTrainer:
         ``rehearsal_kl``: every pass also adds this times the ``rehearsal`` items' token-mean KL divergence
         from the base model's (adapter off) next-token distributions to the adapter's, along their replies
         (:meth:`_rehearse`): the whole distribution held where the base model has it, not only the likelihood
-        of one reply's tokens."""
+        of one reply's tokens.
+
+        ``tick``: called after each optimizer pass (progress, for whoever waits on a slow step)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         with self._holding(rehearsal if rehearsal_kl > 0 else (), rehearsal_kl):
-            return self._step(samples, baseline, rehearsal, rehearsal_weight, rehearsal_first, anchor)
+            return self._step(samples, baseline, rehearsal, rehearsal_weight, rehearsal_first, anchor, tick)
 
     def _step(self, samples: Sequence[Sample], baseline: float, rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]],
-              rehearsal_weight: float, rehearsal_first: float, anchor: Anchor | None) -> dict[str, float]:  # fmt: skip
+              rehearsal_weight: float, rehearsal_first: float, anchor: Anchor | None,
+              tick: Callable[[], None] | None) -> dict[str, float]:  # fmt: skip
         full = getattr(self.objective, "needs_distributions", False)
         teacher, actions, reference = self._teacher_side(samples)
         anchor = anchor if anchor is not None and anchor.weight > 0 and (anchor.prompts or anchor.calls) else None
@@ -449,6 +452,8 @@ class LoraTrainer:
                 stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight,
                                    rehearsal_first, (anchor, start) if anchor else None)  # fmt: skip
                 first = stats["loss"] if first is None else first
+                if tick is not None:
+                    tick()
         stats["loss_first"] = float(first if first is not None else 0.0)
         stats["samples"] = float(len(samples))
         return stats

@@ -447,7 +447,7 @@ async def test_the_learner_is_busy_until_every_closed_turn_is_judged_and_every_t
         await store.register_candidate(Adapter(id="global-0001", path=str(tmp_path)), [turn.id])
         status = await learner.status()
         assert status == {"judged": 1, "lessons": 1, "lessons_held": 0, "lessons_narrowed": 0, "lessons_misled": 0, "lesson_check_s": 0.0, "steps": 0, "promoted": 0, "rejected": 0, "rolled_back": 0, "deferred": 0,
-                          "busy": False}  # fmt: skip
+                          "phase": None, "work": 0, "busy": False}  # fmt: skip
     finally:
         await bus.aclose()
         await store.aclose()

@@ -1734,6 +1734,34 @@ async def test_a_training_step_runs_on_learner_threads_while_a_serving_thread_ke
     serving.shutdown()
 
 
+@pytest.mark.anyio
+async def test_a_running_step_shows_its_phase_and_each_optimizer_pass_as_work_in_the_status(tiny_model, tmp_path, store):
+    """A client that waits on a busy learner (the bench's --idle-timeout) must see a long step advance:
+    each phase it begins and each optimizer pass counts as work, and the phase clears when it ends."""
+    seen: dict[str, tuple[str | None, int]] = {}
+    config = learner_config(lora={**LORA.model_dump(), "epochs": 3})
+    learner: Learner | None = None
+
+    def look(at: str) -> None:
+        assert learner is not None
+        seen[at] = (learner.progress.phase, learner.progress.work)
+
+    learner = make_learner(config, store, MemoryBus(), tiny_model, tmp_path / "adapters", on_step=look)
+    assert ((status := await learner.status())["phase"], status["work"]) == (None, 0)
+    encoder = new_trainer(tiny_model)
+    for i in range(4):
+        await judged_turn(store, encoder, QUESTIONS[i], GOOD if i % 2 else BAD, 1 if i % 2 else -1, "train")
+    assert await learner.train_ready()
+    phase, before = seen["before_step"]
+    assert phase == "replay_before" and before >= 2, "start, then replay_before, each begun"
+    phase, after = seen["after_step"]
+    assert phase == "pinned_after"
+    # train, repair, replay_after and pinned_after begun, and the three passes between them
+    assert after - before == 4 + 3
+    status = await learner.status()
+    assert status["phase"] is None and status["work"] == after
+
+
 def test_greedy_replies_are_the_same_whatever_guess_they_start_from(tiny_model, hello_policy):
     """A guess only saves decoding steps: right, wrong from its first token, right for a while,
     too long or running past its stop, every reply is what plain greedy decoding gives."""
