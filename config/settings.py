@@ -288,6 +288,9 @@ class ObjectiveConfig(Section):
     # (KL; experimental: it keeps [batch, tokens, vocabulary] log-probs in memory for the step);
     # action = the hinted teacher writes the action and the policy without the hint learns it
     hindsight: Literal["token", "distribution", "action"] = "action"
+    # with hindsight: action, > 0: each pass also raises every teacher action above the step's other teacher
+    # actions of the same tool with other values, on its own prompt (a value bound to its request, not to the tool)
+    contrast_weight: float = Field(0.0, ge=0.0)
 
 
 class LoraConfig(Section):

@@ -274,6 +274,13 @@ class HindsightAction:
     """
 
     needs_teacher_actions = True
+    # > 0: each pass also raises every teacher action against the other teacher actions of the step that call
+    # the same tool with other values, on its own prompt (the trainer's contrast, LoraTrainer._contrast)
+    contrast_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.contrast_weight < 0.0:
+            raise ValueError(f"contrast_weight must be >= 0, got {self.contrast_weight}")
 
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if batch.action_logp is None or batch.action_mask is None or not bool(batch.action_mask.any()):
@@ -313,6 +320,10 @@ class Combined:
     def blame_unhinted(self) -> bool:
         return self.rl.blame_unhinted
 
+    @property
+    def contrast_weight(self) -> float:
+        return getattr(self.opd, "contrast_weight", 0.0)
+
     def loss(self, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if self.kl_weight > 0.0 and batch.ref_logp is None:
             raise ValueError(
@@ -341,9 +352,9 @@ _BUILDERS: dict[str, Callable[..., Objective]] = {
 
 
 _HINDSIGHT: dict[str, Callable[..., HindsightOPD | HindsightDistillation | HindsightAction]] = {
-    "token": HindsightOPD,
+    "token": lambda contrast_weight=0.0, **kw: HindsightOPD(**kw),
     "distribution": lambda **_: HindsightDistillation(),
-    "action": lambda **_: HindsightAction(),
+    "action": lambda contrast_weight=0.0, **_: HindsightAction(contrast_weight=contrast_weight),
 }
 
 
@@ -359,6 +370,7 @@ def build_objective(
     hindsight: str = "token",
     rl_negative_weight: float = 1.0,
     blame_unhinted: bool = True,
+    contrast_weight: float = 0.0,
 ) -> Objective:
     """The objective named by config: ``rl``, ``opd`` or ``combined``.
 
@@ -366,7 +378,8 @@ def build_objective(
     ``distribution`` (:class:`HindsightDistillation`, the whole next-token distribution) or
     ``action`` (:class:`HindsightAction`, the hinted teacher's own action).
     ``rl_negative_weight``: :class:`BinaryRL`'s scale on negative advantages; ``blame_unhinted``: whether a
-    -1 with no hindsight action pushes down its whole response (:func:`blamed_tokens`).
+    -1 with no hindsight action pushes down its whole response (:func:`blamed_tokens`); ``contrast_weight``:
+    :class:`HindsightAction`'s contrast between teacher actions (``action`` only).
 
     The weights apply to ``combined`` only; a KL term with a single objective is
     ``combined`` with the other weight at 0, so ``kl_weight > 0`` elsewhere is refused
@@ -378,9 +391,13 @@ def build_objective(
         raise ValueError(f"kl_weight applies to objective 'combined' only, not {kind!r}")
     if hindsight not in _HINDSIGHT:
         raise ValueError(f"unknown hindsight form {hindsight!r}; valid: {', '.join(sorted(_HINDSIGHT))}")
+    if contrast_weight > 0.0 and (hindsight != "action" or kind == "rl"):
+        raise ValueError(f"contrast_weight contrasts hindsight actions: it needs hindsight 'action' and a hint term, "
+                         f"not objective {kind!r} with hindsight {hindsight!r}")
     rl = BinaryRL(clip_low=clip_low, clip_high=clip_high, negative_weight=rl_negative_weight,
                   blame_unhinted=blame_unhinted)
-    opd = _HINDSIGHT[hindsight](clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip)
+    opd = _HINDSIGHT[hindsight](clip_low=clip_low, clip_high=clip_high, advantage_clip=advantage_clip,
+                                contrast_weight=contrast_weight)
     weights = {"rl_weight": rl_weight, "opd_weight": opd_weight, "kl_weight": kl_weight}
     return _BUILDERS[kind](rl, opd, **weights)
 
@@ -390,7 +407,7 @@ def objective_from_config(o: Any) -> Objective:
     return build_objective(o.kind, clip_low=o.clip_low, clip_high=o.clip_high, advantage_clip=o.advantage_clip,
                            rl_weight=o.rl_weight, opd_weight=o.opd_weight, kl_weight=o.kl_weight,
                            hindsight=o.hindsight, rl_negative_weight=o.rl_negative_weight,
-                           blame_unhinted=o.blame_unhinted)  # fmt: skip
+                           blame_unhinted=o.blame_unhinted, contrast_weight=o.contrast_weight)  # fmt: skip
 
 
 @dataclass

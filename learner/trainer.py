@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import inspect
+import json
 import os
 import platform
 from collections.abc import Callable, Iterator, Sequence
@@ -43,8 +44,10 @@ from whet.learner.model import (
     with_cache,
 )
 from whet.learner.objective import Objective, TokenBatch, blamed_tokens
+from whet.learner.prompt import split_tool_calls
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+CONTRASTS = 3  # other actions each teacher action is raised above, at most (:meth:`LoraTrainer._contrasts`)
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -442,6 +445,7 @@ class LoraTrainer:
               tick: Callable[[], None] | None) -> dict[str, float]:  # fmt: skip
         full = getattr(self.objective, "needs_distributions", False)
         teacher, actions, reference = self._teacher_side(samples)
+        contrasts = self._contrasts(actions) if actions is not None and self._contrast_weight > 0 else []
         anchor = anchor if anchor is not None and anchor.weight > 0 and (anchor.prompts or anchor.calls) else None
         held = [*anchor.prompts, *anchor.calls] if anchor else []
         first: float | None = None
@@ -450,7 +454,7 @@ class LoraTrainer:
                 start = [float(self._opening(prompt)[anchor.token]) for prompt in held] if anchor else []
             for _ in range(self.lora.epochs):
                 stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight,
-                                   rehearsal_first, (anchor, start) if anchor else None)  # fmt: skip
+                                   rehearsal_first, (anchor, start) if anchor else None, contrasts)  # fmt: skip
                 first = stats["loss"] if first is None else first
                 if tick is not None:
                     tick()
@@ -482,7 +486,8 @@ class LoraTrainer:
               actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
               rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
               rehearsal_weight: float = 1.0, rehearsal_first: float = 0.0,
-              anchor: tuple[Anchor, list[float]] | None = None) -> dict[str, float]:  # fmt: skip
+              anchor: tuple[Anchor, list[float]] | None = None,
+              contrasts: Sequence[tuple[int, list[list[int]]]] = ()) -> dict[str, float]:  # fmt: skip
         """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
         The importance ratio stays against the behaviour log-probs, so the clip bounds how far
         all of a step's passes together move the policy on the RL part.
@@ -510,6 +515,8 @@ class LoraTrainer:
             self._carry(samples, actions, student, learnt)
             if anchor is not None:
                 stats.update(self._anchor(*anchor))
+            if contrasts and actions is not None:
+                stats.update(self._contrast(samples, actions, contrasts))
             return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
@@ -675,6 +682,61 @@ class LoraTrainer:
             if prompts:
                 stats[name] = total / len(prompts)
         return stats
+
+    @property
+    def _contrast_weight(self) -> float:
+        return float(getattr(self.objective, "contrast_weight", 0.0))
+
+    def _contrasts(self, actions: Sequence[list[int] | None]) -> list[tuple[int, list[list[int]]]]:
+        """For each teacher action that is one tool call, the step's other teacher actions that call the same
+        tool with other arguments (up to :data:`CONTRASTS`, the first of each distinct call): what its
+        request must not be answered with. Pairs of (sample index, those actions)."""
+        calls: list[tuple[str, str] | None] = []
+        for action in actions:
+            _, parsed, errors = split_tool_calls(self.tokenizer.decode(action)) if action else ("", [], [])
+            one = len(parsed) == 1 and not errors
+            calls.append((parsed[0][0], json.dumps(parsed[0][1], sort_keys=True)) if one else None)
+        pairs = []
+        for i, (action, call) in enumerate(zip(actions, calls, strict=True)):
+            if action is None or call is None:
+                continue
+            others: dict[str, list[int]] = {}
+            for other, other_call in zip(actions, calls, strict=True):
+                if other is not None and other_call is not None and other_call[0] == call[0] and other_call != call:
+                    others.setdefault(other_call[1], other)
+            if others:
+                pairs.append((i, list(others.values())[:CONTRASTS]))
+        return pairs
+
+    def _contrast(self, samples: Sequence[Sample], actions: Sequence[list[int] | None],
+                  contrasts: Sequence[tuple[int, list[list[int]]]]) -> dict[str, float]:  # fmt: skip
+        """Adds to the gradients the objective's ``contrast_weight`` times the gradient of the mean, over every
+        (teacher action, other action) pair of :meth:`_contrasts`, of ``softplus(-margin)``: ``margin`` the
+        log-probability of the teacher action's token where the two first differ, minus the other's token
+        there, on the sample's own prompt (no hint). The two share what comes before that token, so one forward
+        pass of the teacher action reads both, and it is where greedy decoding chooses between them. One
+        sample's graph at a time.
+
+        Why: a step that teaches "back home" -> Lisbon and "where Mum is" -> Sydney, on each action's likelihood
+        alone, moves both cities up for every request of the tool (the shared direction is the larger): after a
+        promoted weights step on alex, "back home", "Sam's place" and "where Mum is" all read Sydney -1.9 to
+        -2.1 and Lisbon -3.6 nats, request by request within 0.2 (bench/results/RUNS.md, stop 67). The margin
+        cancels that shared direction: on the "home" prompt Lisbon goes up against Sydney, on the "Mum" prompt
+        Sydney against Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
+        weight = self._contrast_weight
+        count = sum(len(others) for _, others in contrasts)
+        total = 0.0
+        for i, others in contrasts:
+            action = actions[i]
+            assert action is not None
+            logp = self.response_distributions(samples[i].prompt_ids, action)  # [A, V]
+            loss = logp.new_zeros(())
+            for other in others:
+                at = next(k for k, (a, b) in enumerate(zip(action, other, strict=False)) if a != b)  # they differ in their arguments
+                loss = loss + torch.nn.functional.softplus(logp[at, other[at]] - logp[at, action[at]])
+            (weight * loss / count).backward()
+            total += float(loss.detach())
+        return {"contrast_loss": total / count, "contrast_pairs": float(count)}
 
     def _new_action(self, sample: Sample) -> list[int] | None:
         """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do

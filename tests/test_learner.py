@@ -315,6 +315,60 @@ def test_a_step_rehearses_answers_read_off_the_results_of_every_tool_in_turn(tin
     assert rehearsal_draw(items, 18, {"now"}, "v") == rehearsal_draw(items, 18, {"now"}, "v", None, set(), None)
 
 
+def call_ids(trainer: LoraTrainer, name: str, **arguments) -> list[int]:
+    text = f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call><|im_end|>'
+    return trainer.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_each_teacher_action_is_contrasted_with_the_steps_other_calls_of_its_tool_with_other_arguments(tiny_model):
+    trainer = new_trainer(tiny_model)
+    lisbon, sydney, tokyo = (call_ids(trainer, "now", timezone=city) for city in ("Lisbon", "Sydney", "Tokyo"))
+    miles = call_ids(trainer, "convert", value=5, from_unit="km", to_unit="miles")
+    words = trainer.tokenizer.encode("It is late.<|im_end|>", add_special_tokens=False)
+    actions = [lisbon, None, sydney, list(lisbon), miles, words, tokyo]
+    pairs = dict(trainer._contrasts(actions))
+    assert pairs == {0: [sydney, tokyo], 2: [lisbon, tokyo], 3: [sydney, tokyo], 6: [lisbon, sydney]}
+    # the other call of a tool with the same arguments, a lone tool and an answer in words contrast nothing
+    assert trainer._contrasts([lisbon, list(lisbon), miles, words]) == []
+
+
+def test_the_contrast_binds_each_value_to_its_own_request_where_the_likelihood_raises_both_everywhere(tiny_model):
+    """Two requests of one tool, each with its own value: passes on the teacher actions' likelihood alone raise
+    both values on both prompts alike; the contrast raises each request's value above the other's on its own
+    prompt, and says so in the step's statistics."""
+    def margins(trainer, samples, actions):
+        with torch.no_grad():
+            home = trainer.response_logprobs(samples[0].prompt_ids, actions[0]).sum() \
+                - trainer.response_logprobs(samples[0].prompt_ids, actions[1]).sum()  # fmt: skip
+            mum = trainer.response_logprobs(samples[1].prompt_ids, actions[1]).sum() \
+                - trainer.response_logprobs(samples[1].prompt_ids, actions[0]).sum()  # fmt: skip
+        return float(home), float(mum)
+
+    results = {}
+    for weight in (0.0, 1.0):
+        torch.manual_seed(0)
+        objective = build_objective("combined", hindsight="action", contrast_weight=weight)
+        trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"epochs": 6, "learning_rate": 1e-2}),
+                                   objective, device="cpu")  # fmt: skip
+        adapter_with_effect(trainer)
+        actions = [call_ids(trainer, "now", timezone="Lisbon"), call_ids(trainer, "now", timezone="Sydney")]
+        samples = []
+        mum = "Tell me the hour in the place where my mother lives, please."
+        for i, (question, hint) in enumerate(((HOME, HOME_HINT), (mum, "Mum lives in Sydney"))):
+            messages, prompt, wrong = encode_turn(trainer, question, "It is ten.")
+            samples.append(Sample(f"t{i}", prompt, wrong, [-2.0] * len(wrong), -1,
+                                  teacher_prompt_ids=hinted_prompt_ids(trainer.tokenizer, messages, prompt, hint)))
+        taught = {s.turn_id: a for s, a in zip(samples, actions, strict=True)}
+        trainer._new_action = lambda s, taught=taught: taught[s.turn_id]
+        before = margins(trainer, samples, actions)
+        stats = trainer.step(samples, baseline=0.0)
+        results[weight] = [after - start for after, start in zip(margins(trainer, samples, actions), before, strict=True)]
+        assert ("contrast_pairs" in stats) == (weight > 0)
+    assert sum(results[1.0]) > sum(results[0.0]) + 1.0  # nats, over the two requests
+    assert min(results[1.0]) > 0  # each request's own value gained on the other's, on its own prompt
+    assert stats["contrast_pairs"] == 2
+
+
 def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(
         tiny_model, tmp_path):  # fmt: skip
     """``lora.optimizer: sgd``: one pass changes every LoRA weight by ``lr`` times its (clipped) gradient, so

@@ -336,3 +336,13 @@ def test_the_objective_follows_its_config_section():
     built = objective_from_config(ObjectiveConfig(hindsight="action", rl_negative_weight=0.25, rl_weight=0.5))
     assert isinstance(built, Combined) and isinstance(built.opd, HindsightAction)
     assert built.rl.negative_weight == 0.25 and built.rl_weight == 0.5
+
+
+def test_the_contrast_between_teacher_actions_needs_hindsight_actions_and_refuses_other_forms_by_name():
+    assert build_objective("combined", hindsight="action", contrast_weight=1.0).contrast_weight == 1.0
+    assert build_objective("opd", hindsight="action", contrast_weight=0.5).contrast_weight == 0.5
+    for kind, hindsight in (("combined", "token"), ("combined", "distribution"), ("rl", "action")):
+        with pytest.raises(ValueError, match="contrast_weight"):
+            build_objective(kind, hindsight=hindsight, contrast_weight=1.0)
+    with pytest.raises(ValueError, match="contrast_weight"):
+        HindsightAction(contrast_weight=-1.0)
