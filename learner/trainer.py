@@ -487,7 +487,7 @@ class LoraTrainer:
               rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
               rehearsal_weight: float = 1.0, rehearsal_first: float = 0.0,
               anchor: tuple[Anchor, list[float]] | None = None,
-              contrasts: Sequence[tuple[int, list[list[int]]]] = ()) -> dict[str, float]:  # fmt: skip
+              contrasts: Sequence[tuple[int, list[tuple[int, int]]]] = ()) -> dict[str, float]:  # fmt: skip
         """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
         The importance ratio stays against the behaviour log-probs, so the clip bounds how far
         all of a step's passes together move the policy on the RL part.
@@ -687,10 +687,11 @@ class LoraTrainer:
     def _contrast_weight(self) -> float:
         return float(getattr(self.objective, "contrast_weight", 0.0))
 
-    def _contrasts(self, actions: Sequence[list[int] | None]) -> list[tuple[int, list[list[int]]]]:
+    def _contrasts(self, actions: Sequence[list[int] | None]) -> list[tuple[int, list[tuple[int, int]]]]:
         """For each teacher action that is one tool call, the step's other teacher actions that call the same
-        tool with other arguments (up to :data:`CONTRASTS`, the first of each distinct call): what its
-        request must not be answered with. Pairs of (sample index, those actions)."""
+        tool with other arguments (up to :data:`CONTRASTS`, the first of each distinct call), each as (the
+        position where the two first differ, the other's token there): what its request must not be answered
+        with. Pairs of (sample index, those)."""
         calls: list[tuple[str, str] | None] = []
         for action in actions:
             _, parsed, errors = split_tool_calls(self.tokenizer.decode(action)) if action else ("", [], [])
@@ -700,16 +701,19 @@ class LoraTrainer:
         for i, (action, call) in enumerate(zip(actions, calls, strict=True)):
             if action is None or call is None:
                 continue
-            others: dict[str, list[int]] = {}
+            others: dict[str, tuple[int, int]] = {}
             for other, other_call in zip(actions, calls, strict=True):
-                if other is not None and other_call is not None and other_call[0] == call[0] and other_call != call:
-                    others.setdefault(other_call[1], other)
+                if other is None or other_call is None or other_call[0] != call[0] or other_call == call:
+                    continue
+                at = next((k for k, (a, b) in enumerate(zip(action, other, strict=False)) if a != b), None)
+                if at is not None:  # None: one is the other cut short, nothing to choose between
+                    others.setdefault(other_call[1], (at, other[at]))
             if others:
                 pairs.append((i, list(others.values())[:CONTRASTS]))
         return pairs
 
     def _contrast(self, samples: Sequence[Sample], actions: Sequence[list[int] | None],
-                  contrasts: Sequence[tuple[int, list[list[int]]]]) -> dict[str, float]:  # fmt: skip
+                  contrasts: Sequence[tuple[int, list[tuple[int, int]]]]) -> dict[str, float]:  # fmt: skip
         """Adds to the gradients the objective's ``contrast_weight`` times the gradient of the mean, over every
         (teacher action, other action) pair of :meth:`_contrasts`, of ``softplus(-margin)``: ``margin`` the
         log-probability of the teacher action's token where the two first differ, minus the other's token
@@ -719,10 +723,10 @@ class LoraTrainer:
 
         Why: a step that teaches "back home" -> Lisbon and "where Mum is" -> Sydney, on each action's likelihood
         alone, moves both cities up for every request of the tool (the shared direction is the larger): after a
-        promoted weights step on alex, "back home", "Sam's place" and "where Mum is" all read Sydney -1.9 to
-        -2.1 and Lisbon -3.6 nats, request by request within 0.2 (bench/results/RUNS.md, stop 67). The margin
-        cancels that shared direction: on the "home" prompt Lisbon goes up against Sydney, on the "Mum" prompt
-        Sydney against Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
+        promoted weights step on alex, "back home", "Sam's place" and "where Mum is" all read Lisbon -3.57 to
+        -3.62 and Sydney -1.86 to -2.08 nats (bench/results/RUNS.md, stop 67). The margin cancels that shared
+        direction: on the "home" prompt Lisbon goes up against Sydney, on the "Mum" prompt Sydney against
+        Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
         weight = self._contrast_weight
         count = sum(len(others) for _, others in contrasts)
         total = 0.0
@@ -731,9 +735,8 @@ class LoraTrainer:
             assert action is not None
             logp = self.response_distributions(samples[i].prompt_ids, action)  # [A, V]
             loss = logp.new_zeros(())
-            for other in others:
-                at = next(k for k, (a, b) in enumerate(zip(action, other, strict=False)) if a != b)  # they differ in their arguments
-                loss = loss + torch.nn.functional.softplus(logp[at, other[at]] - logp[at, action[at]])
+            for at, token in others:
+                loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
             (weight * loss / count).backward()
             total += float(loss.detach())
         return {"contrast_loss": total / count, "contrast_pairs": float(count)}

@@ -326,8 +326,15 @@ def test_each_teacher_action_is_contrasted_with_the_steps_other_calls_of_its_too
     miles = call_ids(trainer, "convert", value=5, from_unit="km", to_unit="miles")
     words = trainer.tokenizer.encode("It is late.<|im_end|>", add_special_tokens=False)
     actions = [lisbon, None, sydney, list(lisbon), miles, words, tokyo]
+
+    def at(one, other):  # where the two first differ, and the other's token there
+        k = next(k for k, (a, b) in enumerate(zip(one, other, strict=False)) if a != b)
+        assert one[:k] == other[:k] and trainer.tokenizer.decode(one[:k]).endswith('"timezone": "')
+        return k, other[k]
+
     pairs = dict(trainer._contrasts(actions))
-    assert pairs == {0: [sydney, tokyo], 2: [lisbon, tokyo], 3: [sydney, tokyo], 6: [lisbon, sydney]}
+    assert pairs == {0: [at(lisbon, sydney), at(lisbon, tokyo)], 2: [at(sydney, lisbon), at(sydney, tokyo)],
+                     3: [at(lisbon, sydney), at(lisbon, tokyo)], 6: [at(tokyo, lisbon), at(tokyo, sydney)]}  # fmt: skip
     # the other call of a tool with the same arguments, a lone tool and an answer in words contrast nothing
     assert trainer._contrasts([lisbon, list(lisbon), miles, words]) == []
 
