@@ -16,7 +16,7 @@ at once, without the server, the judge's timing or the gate's decisions:
   included); and the held-out requests' first calls right (the bench's held-out phrasings); after the last,
   the trained requests' own first calls.
 
-    python bench/weights_drift.py MODEL_DIR [--profile config/profiles/jun.yaml] [--kl 1.0] [--lr 5e-4] [--opd-weight 4]
+    python bench/weights_drift.py MODEL_DIR [--profile config/profiles/jun.yaml] [--kl 1.0] [--lr 5e-4] [--opd-weight 4] [--contrast 1]
 
 Prints one line a step; `--out F` writes the (drift, held-out) curve as JSON. One core: ~2 min for the
 base's readings, then ~5-6 min a step (SmolLM2, AVX-512 BF16).
@@ -53,6 +53,8 @@ p.add_argument("--nll", type=float, default=1.0)
 p.add_argument("--anchor", type=float, default=1.0)
 p.add_argument("--opd-weight", type=float, default=None,
                help="learner.objective.opd_weight: the hinted teacher's action against the RL term and the rehearsal")
+p.add_argument("--contrast", type=float, default=0.0,
+               help="learner.objective.contrast_weight: each teacher action against the step's others of its tool")
 p.add_argument("--heldout", type=int, default=24)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--replay", action="store_true", help="every step retrains all hinted samples so far")
@@ -63,7 +65,7 @@ args = p.parse_args()
 torch.manual_seed(0)
 lora = LoraConfig(learning_rate=args.lr, epochs=args.epochs, optimizer=args.optimizer, layers=args.layers,
                   target_modules=TARGETS[args.targets])
-objective = ObjectiveConfig() if args.opd_weight is None else ObjectiveConfig(opd_weight=args.opd_weight)
+objective = ObjectiveConfig(contrast_weight=args.contrast, **({} if args.opd_weight is None else {"opd_weight": args.opd_weight}))
 trainer = LoraTrainer.load(args.model, lora, objective_from_config(objective), device="cpu")
 tok = trainer.tokenizer
 probe = Probe.of(tok, args.profile, args.n, args.heldout)
