@@ -705,8 +705,8 @@ class LoraTrainer:
             for other, other_call in zip(actions, calls, strict=True):
                 if other is None or other_call is None or other_call[0] != call[0] or other_call == call:
                     continue
-                at = next((k for k, (a, b) in enumerate(zip(action, other, strict=False)) if a != b), None)
-                if at is not None:  # None: one is the other cut short, nothing to choose between
+                at = len(os.path.commonprefix([action, other]))
+                if at < min(len(action), len(other)):  # else one is the other cut short: nothing to choose between
                     others.setdefault(other_call[1], (at, other[at]))
             if others:
                 pairs.append((i, list(others.values())[:CONTRASTS]))
