@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
+import structlog
 from sqlalchemy import Engine, bindparam, event, func, insert, inspect, or_, update
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import text as sql_text
@@ -53,6 +54,7 @@ from whet.memory.tables import (
 )
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 class StoreUnavailable(RuntimeError):
@@ -246,8 +248,18 @@ class Store:
 
         return await anyio.to_thread.run_sync(_guarded, call)
 
-    async def aclose(self) -> None:
-        """Dispose of the engine's connections."""
+    async def aclose(self, wait_s: float = 10.0) -> None:
+        """Dispose of the engine's connections, once those checked out are back (up to ``wait_s``).
+
+        A task cancelled at shutdown may leave its worker thread mid-query: the connection that thread
+        holds comes back to the pool only when the query ends, and a pool disposed before then never
+        closes it (psycopg warns when such a connection is collected)."""
+        checked_out = getattr(self.engine.pool, "checkedout", lambda: 0)
+        with anyio.move_on_after(wait_s):
+            while checked_out():
+                await anyio.sleep(0.02)
+        if checked_out():
+            log.warning("store.close_with_connections_out", connections=checked_out(), waited_s=wait_s)
         await anyio.to_thread.run_sync(self.engine.dispose)
 
     # ---- users and sessions

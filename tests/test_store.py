@@ -404,3 +404,40 @@ def test_an_older_sqlite_store_gains_the_new_lesson_column(tmp_path):
 @pytest.mark.loopback
 def test_an_older_postgresql_store_gains_the_new_lesson_column(postgres_schema_url):
     exercise_new_column_migration(postgres_schema_url)
+
+
+async def exercise_close_waits_for_a_query_its_caller_abandoned(store: Store) -> None:
+    """whet's background tasks are cancelled at shutdown (``task.cancel()``), which abandons a store call's
+    worker thread mid-query; the store closes that thread's connection once the query is done, rather than
+    disposing of the pool under it and leaving the connection open until it is collected."""
+    import asyncio
+
+    release, held = threading.Event(), []
+
+    def slow(db) -> None:
+        held.append(db.connection().connection.dbapi_connection)
+        release.wait(10)
+
+    caller = asyncio.create_task(store._run(slow))
+    while not held:
+        await anyio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    closing = asyncio.create_task(store.aclose())
+    await anyio.sleep(0.1)
+    assert not closing.done()  # waiting for the query
+    release.set()
+    with anyio.fail_after(5):
+        await closing
+    with pytest.raises(Exception, match="closed"):
+        held[0].cursor().execute("SELECT 1")
+
+
+async def test_closing_waits_for_a_query_whose_caller_was_cancelled(tmp_path):
+    await exercise_close_waits_for_a_query_its_caller_abandoned(open_store(f"sqlite:///{tmp_path}/whet.db"))
+
+
+@pytest.mark.loopback
+async def test_closing_waits_for_a_query_whose_caller_was_cancelled_on_postgresql(postgres_schema_url):
+    await exercise_close_waits_for_a_query_its_caller_abandoned(open_store(postgres_schema_url))
