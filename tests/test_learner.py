@@ -208,7 +208,10 @@ def test_rehearsal_backpropagates_item_by_item_its_likelihood_and_the_kl_from_th
     trainer.model.zero_grad(set_to_none=True)
     with trainer._holding(items, 0.5):
         nll, mean = trainer._rehearse(items, 0.25)
-    assert mean == pytest.approx(float(kl.detach().mean()), rel=1e-4) and mean > 0
+    # a KL this small (~6e-4) is a difference of nearly equal log-probs, each good to float32's ~1e-7: the
+    # trainer reads the base distributions in another order (their shared prefix once), and the two means
+    # have differed by a relative 1.04e-4 (a full suite run, stop 68); a wrong item or weight would differ by far more
+    assert mean == pytest.approx(float(kl.detach().mean()), rel=1e-3) and mean > 0
     assert nll == pytest.approx(-float(logp.detach().mean()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
