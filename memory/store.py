@@ -258,8 +258,8 @@ class Store:
         with anyio.move_on_after(wait_s):
             while checked_out():
                 await anyio.sleep(0.02)
-        if checked_out():
-            log.warning("store.close_with_connections_out", connections=checked_out(), waited_s=wait_s)
+        if left := checked_out():
+            log.warning("store.close_with_connections_out", connections=left, waited_s=wait_s)
         await anyio.to_thread.run_sync(self.engine.dispose)
 
     # ---- users and sessions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -410,8 +411,6 @@ async def exercise_close_waits_for_a_query_its_caller_abandoned(store: Store) ->
     """whet's background tasks are cancelled at shutdown (``task.cancel()``), which abandons a store call's
     worker thread mid-query; the store closes that thread's connection once the query is done, rather than
     disposing of the pool under it and leaving the connection open until it is collected."""
-    import asyncio
-
     release, held = threading.Event(), []
 
     def slow(db) -> None:
@@ -419,8 +418,9 @@ async def exercise_close_waits_for_a_query_its_caller_abandoned(store: Store) ->
         release.wait(10)
 
     caller = asyncio.create_task(store._run(slow))
-    while not held:
-        await anyio.sleep(0.01)
+    with anyio.fail_after(5):
+        while not held:
+            await anyio.sleep(0.01)
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
