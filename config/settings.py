@@ -450,6 +450,13 @@ class LearnerConfig(Section):
     # home, Sam's place: bench runs DQ, DT); 0 = none. 8: the lora arm 0.42 -> 0.62 on jun in two runs (DY, EB), and
     # memory_lora met its targets on both profiles with general skill kept (EC)
     replay_taught: int = Field(8, ge=0)
+    # how the two replays above pick among their lineage's hinted samples: newest = the newest first; spread =
+    # round robin over the distinct hints ("The user meant Lisbon time", "... Tokyo time", "... miles"), the
+    # newest of each first, so a value taught once early (a request the user makes rarely) is taught again in
+    # every later step and contrasted with the values of the steps after it, not crowded out by the user's
+    # commonest requests; reads up to replay_window of them
+    replay_order: Literal["newest", "spread"] = "newest"
+    replay_window: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1)  # judged samples per optimizer step...
     batch_timeout_s: float = Field(60.0, gt=0)  # ...or this long after the first one is ready
     # after the gate turns away r candidates made from a lineage's live version, its next step waits for

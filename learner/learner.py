@@ -33,6 +33,7 @@ turns are trained then. So each turn is trained exactly once per lineage.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -573,18 +574,19 @@ class Learner:
         while adapter is not None and adapter.id not in lineage:
             lineage.add(adapter.id)
             adapter = versions.get(adapter.parent) if adapter.parent else None
+        spread = self.config.replay_order == "spread"
         found: list[tuple[Judgment, Turn]] = []
         for taught, wanted in ((False, self.config.replay_hints), (True, self.config.replay_taught)):
             these: list[tuple[Judgment, Turn]] = []
-            read = 0
-            while len(these) < wanted:
-                page = await self.store.lineage_hints(user_id=user_id, lineage=lineage, taught=taught, limit=wanted,
-                                                      offset=read)  # fmt: skip
+            read, enough = 0, max(wanted, self.config.replay_window) if spread else wanted
+            while wanted and len(these) < enough:
+                page = await self.store.lineage_hints(user_id=user_id, lineage=lineage, taught=taught,
+                                                      limit=min(enough - len(these), 64), offset=read)  # fmt: skip
                 if not page:
                     break
                 read += len(page)
                 these += [(j, t) for j, t in page if _taught_hint(j.hint, t) is not None]
-            found += these[:wanted]
+            found += spread_by_hint(these, wanted) if spread else these[:wanted]
         return found
 
     def _trainer_now(self) -> LoraTrainer:
@@ -908,6 +910,16 @@ class Learner:
             await self.registry.rollback(self.config.scope, owner, reason)
             self.progress.rolled_back.append(live.id)
             log.warning("adapter rolled back", version=live.id, reason=reason)
+
+
+def spread_by_hint(samples: Sequence[tuple[Judgment, Turn]], n: int) -> list[tuple[Judgment, Turn]]:
+    """Up to ``n`` of ``samples`` (newest first), taken round robin over their distinct hints: the newest sample
+    of each hint in the order the hints were last given, then the second newest of each, and so on."""
+    groups: dict[str, list[tuple[Judgment, Turn]]] = {}
+    for sample in samples:
+        groups.setdefault(" ".join((sample[0].hint or "").split()).casefold(), []).append(sample)
+    rounds = itertools.zip_longest(*groups.values())
+    return [sample for row in rounds for sample in row if sample is not None][:n]
 
 
 def _taught_hint(hint: str | None, turn: Turn) -> str | None:

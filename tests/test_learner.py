@@ -1009,8 +1009,8 @@ def _replaying(tiny_model, tmp_path, store, monkeypatch, **config: object):
     learner = make_learner(learner_config(batch_size=2, backoff=0, **config), store, MemoryBus(), tiny_model, tmp_path)
     encoder = new_trainer(tiny_model)
 
-    async def step(hinted: str, plain: str) -> tuple[str, str, dict]:
-        wrong = await judged_turn(store, encoder, hinted, BAD, -1, "train", hint="The user meant Lisbon time")
+    async def step(hinted: str, plain: str, hint: str = "The user meant Lisbon time") -> tuple[str, str, dict]:
+        wrong = await judged_turn(store, encoder, hinted, BAD, -1, "train", hint=hint)
         await judged_turn(store, encoder, plain, GOOD, +1, "train")
         [version] = await learner.train_ready()
         return wrong, version, json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
@@ -1074,6 +1074,34 @@ async def test_replay_taught_trains_the_hints_the_live_lineage_learned_again_bes
     await store.promote_adapter(v3)  # a rollback: v4's hint is no longer in the live weights
     _, _, state = await step("Lisbon now?", "Time now?")
     assert state["replayed"] == [third, second]
+
+
+@pytest.mark.anyio
+async def test_replay_spread_takes_the_newest_sample_of_each_hint_before_a_second_of_any(
+    tiny_model, tmp_path, store, monkeypatch
+):
+    # jun asks about home twice in 32 interactions and about distances a dozen times: newest first, the home
+    # sample left the replay after a step or two; spread, each value the lineage was taught stays in it
+    steps, learner, _, step = _replaying(tiny_model, tmp_path, store, monkeypatch, replay_taught=3,
+                                         replay_order="spread")  # fmt: skip
+    taught = []
+    for question, hint in [("Time at home?", "The user meant Seoul time"), ("How far is 5 km?", "The user meant meters"),
+                           ("How far is 7 km?", "The user meant meters"), ("Time for Dad?", "The user meant Honolulu time"),
+                           ("How far is 9 km?", "The user meant  Meters")]:  # fmt: skip
+        wrong, version, _ = await step(question, "Clock?", hint)
+        await store.promote_adapter(version)
+        taught.append(wrong)
+    home, km5, km7, dad, km9 = taught
+    _, _, state = await step("Lisbon now?", "Time now?")
+    assert state["replayed"] == [km9, dad, home]  # one of each hint (the same words, however spaced or cased)
+    assert [s.turn_id for s in steps[-1][2:]] == [km9, dad, home] and all(s.teacher_prompt_ids for s in steps[-1][2:])
+    learner.config.replay_taught = 5
+    _, _, state = await step("Lisbon hour?", "Hour?")
+    lisbon = state["replayed"][0]
+    assert lisbon not in taught and state["replayed"] == [lisbon, km9, dad, home, km7]  # then km's second newest
+    learner.config.replay_order = "newest"
+    _, _, state = await step("Hour in Lisbon?", "Now?")
+    assert state["replayed"][2:] == [km9, dad, km7] and home not in state["replayed"]
 
 
 @pytest.mark.anyio
