@@ -178,6 +178,7 @@ class Learner:
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
+        self._watched: list[tuple[list[int], list[int]]] | None = None  # rehearsal.repair_calls' calls, read once
         self._rehearsal_reads: list[str | None] = []  # ... and the tool whose result it answers from, if any
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
@@ -672,7 +673,9 @@ class Learner:
             "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, turns, strict=True)),
             "baseline": baseline.to_dict(),
             "train": stats,
-            "repairs": repairs,  # the rehearsal set's small talk within repair_margin of a call, before each repair pass
+            # the rehearsal set's small talk within repair_margin of a call, and its watched calls no longer written
+            # (rehearsal.repair_calls), before each repair pass
+            "repairs": repairs,
             "holdout": [] if turned_away else [[s, b, a] for (s, _, _), b, a in zip(held, before, after, strict=True)],
             "regression": [[0, b, a] for b, a in zip(reg_before, reg_after, strict=True)],
             "regression_base": self._regression_base or [],  # under the base model: the gate bounds a lineage's drift from it
@@ -719,27 +722,51 @@ class Learner:
         """``learner.rehearsal.repair_passes``: while the trained candidate opens any of the rehearsal set's
         small talk within ``repair_margin`` nats of a tool call (the odds of a reply's first token being
         the first token of a call, against the likeliest other), up to that many :meth:`LoraTrainer.repair`
-        passes on those chats beside the step's ``rehearsal``. Returns how many chats were that close
-        before each pass and after the last ([] when off).
+        passes on those chats beside the step's ``rehearsal``; with ``repair_calls``, also while any of the set's
+        watched calls (:meth:`_watched_calls`) is no longer the reply greedy decoding writes, on those calls too.
+        Returns how many chats were that close, and calls lost, before each pass and after the last ([] when off).
 
         Why: a step that teaches one user's values for short requests moves every short chat towards a
         call by about the same odds (stop 37 measured +1 to +1.5 nats on most of 216 chats); the gate sees
         it when a chat that already sat near the boundary crosses it. A greedy check of the rehearsal
         chats saw nothing (none had crossed), so this reads how near each one came."""
         passes = self.config.rehearsal.repair_passes
-        talk = self._small_talk()
-        if not passes or not talk:
+        talk, calls = self._small_talk(), self._watched_calls(trainer) if passes else []
+        if not passes or not (talk or calls):
             return []
         opening = call_opening(trainer.tokenizer)
         counts = []
         for n in range(passes + 1):
-            odds = trainer.opening_odds([p for p, _ in talk], opening)
+            odds = trainer.opening_odds([p for p, _ in talk], opening) if talk else []
             near = [item for item, o in zip(talk, odds, strict=True) if o > -self.config.rehearsal.repair_margin]
-            counts.append(len(near))
-            if not near or n == passes:
+            gaps = trainer.reply_gaps([p for p, _ in calls], [r for _, r in calls]) if calls else []
+            lost = [item for item, g in zip(calls, gaps, strict=True) if min(g) <= 0]
+            counts.append(len(near) + len(lost))
+            if not (near or lost) or n == passes:
                 break
-            trainer.repair(near, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
+            trainer.repair(near + lost, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
         return counts
+
+    def _watched_calls(self, trainer: LoraTrainer) -> list[tuple[list[int], list[int]]]:
+        """``learner.rehearsal.repair_calls`` of the rehearsal set's tool calls that the base model writes greedily
+        (every token of the call likelier than the best other there), taken round robin over the tools they call,
+        the closest to a tie first; read once, under the base weights."""
+        wanted = self.config.rehearsal.repair_calls
+        if self._watched is None:
+            called = [(item, min(tools)) for item, tools in zip(self._rehearsal, self._rehearsal_tools, strict=True)
+                      if tools]  # fmt: skip
+            self._watched = []
+            if wanted and called:
+                with trainer.model.disable_adapter():
+                    gaps = trainer.reply_gaps([p for (p, _), _ in called], [r for (_, r), _ in called])
+                by_tool: dict[str, list[tuple[float, int]]] = {}
+                for i, ((_, tool), gap) in enumerate(zip(called, gaps, strict=True)):
+                    if min(gap) > 0:
+                        by_tool.setdefault(tool, []).append((min(gap), i))
+                rounds = itertools.zip_longest(*(sorted(picks) for _, picks in sorted(by_tool.items())))
+                order = [pick[1] for row in rounds for pick in row if pick is not None]
+                self._watched = [called[i][0] for i in order[:wanted]]
+        return self._watched
 
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
                            regression: list[tuple[list[int], list[int]]],

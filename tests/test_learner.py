@@ -480,6 +480,55 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
         assert prompts == [p for p, _ in chats] and token == call[0]
 
 
+def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candidate_no_longer_does(tiny_model, tmp_path):
+    """``learner.rehearsal.repair_calls``: of the rehearsal set's calls the base model writes greedily (every token
+    ahead of the best other), that many are watched, round robin over their tools and the closest to a tie first;
+    a repair pass runs while any of them is lost (a token no longer ahead), on those calls beside the near chats."""
+    config = learner_config(rehearsal={"repair_passes": 3, "repair_margin": 1.0, "repair_calls": 3})
+    learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
+    trainer = learner._trainer_now()
+
+    def call(name: str) -> list[int]:
+        return trainer.tokenizer.encode(f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>',
+                                        add_special_tokens=False)  # fmt: skip
+
+    chat = encode_turn(trainer, "Hi!", "Hello!")[1:]
+    prompts = [encode_turn(trainer, q, "x")[1] for q in ("Time?", "Time in Oslo?", "Weekday?", "Day of 2027-01-02?",
+                                                            "Weekday of it?", "What time is it?")]  # fmt: skip
+    names = ["now", "now", "weekday", "weekday", "weekday", "now"]
+    calls = [(p, call(n)) for p, n in zip(prompts, names, strict=True)]
+    learner._rehearsal = [chat, *calls]
+    learner._rehearsal_tools = [set(), *({n} for n in names)]
+    base = [[2.0, 0.4], [3.0, 1.0], [0.2, 5.0], [-0.1, 4.0], [0.9, 2.0], [0.0, 3.0]]  # min: .4 1 .2 -.1 .9 0
+    live = {i: list(g) for i, g in enumerate(base)}
+    mended, read = [], []
+
+    def reply_gaps(ps, rs):
+        read.append(len(ps))
+        if len(read) == 1:  # the first read is the base model's, of every call
+            assert ps == prompts
+            return [list(g) for g in base]
+        return [live[prompts.index(p)] for p in ps]
+
+    def repair(items, rehearsal, weight, first):
+        mended.append(sorted(prompts.index(p) for p, _ in items if p in prompts))
+        for p, _ in items:
+            if p in prompts:
+                live[prompts.index(p)][0] += 1.0  # a pass mends by a nat
+        return {}
+
+    trainer.reply_gaps, trainer.repair = reply_gaps, repair
+    trainer.opening_odds = lambda ps, token: [-5.0] * len(ps)  # the chat stays far from a call
+    # watched: now's closest (.4), weekday's closest (.2), now's next (1.0); not the calls the base does not write
+    assert learner._watched_calls(trainer) == [calls[0], calls[2], calls[1]]
+    live[0][0], live[2][0] = -0.5, -1.5  # the step tipped two of them; -1.5 takes two passes to mend
+    assert learner._repair(trainer, ["step's"]) == [2, 1, 0]  # type: ignore[list-item]
+    assert mended == [[0, 2], [2]] and read == [6, 3, 3, 3]
+    learner.config.rehearsal.repair_calls = 0
+    learner._watched = None
+    assert learner._watched_calls(trainer) == [] and learner._repair(trainer, []) == [0]  # type: ignore[list-item]
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("weight", [0.0, 3.0])
 async def test_a_step_anchors_the_openings_of_the_rehearsal_sets_small_talk_by_its_weight(tiny_model, tmp_path, store,
