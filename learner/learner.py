@@ -744,14 +744,17 @@ class Learner:
             counts.append(len(near) + len(lost))
             if not (near or lost) or n == passes:
                 break
+            if n == 0:  # a repair pass mends what the step broke; with the step's momentum it went on teaching the
+                trainer.forget_momentum()  # step (run EQ: 4 calls lost, then 6, 10, 10 and 5 after four passes)
             trainer.repair(near + lost, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
         return counts
 
     def _watched_calls(self, trainer: LoraTrainer) -> list[tuple[list[int], list[int]]]:
         """``learner.rehearsal.repair_calls`` of the rehearsal set's tool calls that the base model writes greedily
-        (every token of the call likelier than the best other there), taken round robin over the tools they call,
-        the closest to a tie first; read once, under the base weights."""
-        wanted = self.config.rehearsal.repair_calls
+        by more than ``gate.pinned_tie_margin`` nats at their closest token (the calls the gate's greedy check would
+        count; a near tie the noise of any step tips, run EQ, it does not), taken round robin over the tools they
+        call, the closest first; read once, under the base weights."""
+        wanted, margin = self.config.rehearsal.repair_calls, self.config.gate.pinned_tie_margin
         if self._watched is None:
             called = [(item, min(tools)) for item, tools in zip(self._rehearsal, self._rehearsal_tools, strict=True)
                       if tools]  # fmt: skip
@@ -761,7 +764,7 @@ class Learner:
                     gaps = trainer.reply_gaps([p for (p, _), _ in called], [r for (_, r), _ in called])
                 by_tool: dict[str, list[tuple[float, int]]] = {}
                 for i, ((_, tool), gap) in enumerate(zip(called, gaps, strict=True)):
-                    if min(gap) > 0:
+                    if min(gap) > margin:
                         by_tool.setdefault(tool, []).append((min(gap), i))
                 rounds = itertools.zip_longest(*(sorted(picks) for _, picks in sorted(by_tool.items())))
                 order = [pick[1] for row in rounds for pick in row if pick is not None]

@@ -159,9 +159,14 @@ class LoraTrainer:
             if set(state["param_groups"][0]) == set(self.optimizer.state_dict()["param_groups"][0]):
                 self.optimizer.load_state_dict(state)
                 if not self.lora.carry_momentum:
-                    for kept in self.optimizer.state.values():
-                        if "exp_avg" in kept:
-                            kept["exp_avg"].zero_()
+                    self.forget_momentum()
+
+    def forget_momentum(self) -> None:
+        """Zero AdamW's first moment (the running mean of the gradients), keeping its second (each weight's
+        scale): the next update follows its own gradient, not the direction the updates before it went."""
+        for kept in self.optimizer.state.values():
+            if "exp_avg" in kept:
+                kept["exp_avg"].zero_()
 
     def save(self, out_dir: Path) -> None:
         """Write the adapter (peft safetensors format) and the optimizer state into ``out_dir``."""

@@ -480,6 +480,17 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
         assert prompts == [p for p, _ in chats] and token == call[0]
 
 
+def test_forgetting_momentum_zeroes_adamws_running_mean_of_gradients_and_keeps_their_scale(tiny_model):
+    trainer = new_trainer(tiny_model)
+    trainer.step([sample(trainer, "t1", "Hi?", "Hello!", 1)], 0.0)
+    state = [s for s in trainer.optimizer.state.values() if "exp_avg" in s]
+    assert state and any(float(s["exp_avg"].abs().sum()) > 0 for s in state)
+    scales = [s["exp_avg_sq"].clone() for s in state]
+    trainer.forget_momentum()
+    assert all(float(s["exp_avg"].abs().sum()) == 0 for s in state)
+    assert all(torch.equal(s["exp_avg_sq"], kept) for s, kept in zip(state, scales, strict=True))
+
+
 def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candidate_no_longer_does(tiny_model, tmp_path):
     """``learner.rehearsal.repair_calls``: of the rehearsal set's calls the base model writes greedily (every token
     ahead of the best other), that many are watched, round robin over their tools and the closest to a tie first;
@@ -499,7 +510,7 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
     calls = [(p, call(n)) for p, n in zip(prompts, names, strict=True)]
     learner._rehearsal = [chat, *calls]
     learner._rehearsal_tools = [set(), *({n} for n in names)]
-    base = [[2.0, 0.4], [3.0, 1.0], [0.2, 5.0], [-0.1, 4.0], [0.9, 2.0], [0.0, 3.0]]  # min: .4 1 .2 -.1 .9 0
+    base = [[2.0, 0.8], [3.0, 1.5], [0.7, 5.0], [-0.1, 4.0], [1.9, 2.0], [0.3, 3.0]]  # min: .8 1.5 .7 -.1 1.9 .3
     live = {i: list(g) for i, g in enumerate(base)}
     mended, read = [], []
 
@@ -519,11 +530,15 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
 
     trainer.reply_gaps, trainer.repair = reply_gaps, repair
     trainer.opening_odds = lambda ps, token: [-5.0] * len(ps)  # the chat stays far from a call
-    # watched: now's closest (.4), weekday's closest (.2), now's next (1.0); not the calls the base does not write
+    forgot = []
+    trainer.forget_momentum = lambda: forgot.append(len(mended))
+    # watched: now's closest (.8), weekday's closest (.7), now's next (1.5); not the calls the base does not write
+    # (-.1), nor one it writes by less than the gate's pinned_tie_margin (.3, under the default .5)
     assert learner._watched_calls(trainer) == [calls[0], calls[2], calls[1]]
     live[0][0], live[2][0] = -0.5, -1.5  # the step tipped two of them; -1.5 takes two passes to mend
     assert learner._repair(trainer, ["step's"]) == [2, 1, 0]  # type: ignore[list-item]
     assert mended == [[0, 2], [2]] and read == [6, 3, 3, 3]
+    assert forgot == [0]  # the step's momentum dropped once, before the first repair pass
     learner.config.rehearsal.repair_calls = 0
     learner._watched = None
     assert learner._watched_calls(trainer) == [] and learner._repair(trainer, []) == [0]  # type: ignore[list-item]
