@@ -395,15 +395,14 @@ class RehearsalConfig(Section):
     first_token_weight: float = Field(0.0, ge=0.0)
     # after a step's passes, up to this many more optimizer passes while any of the set's small talk opens within
     # repair_margin nats of a tool call: each learns those chats' replies (first token and token mean) beside the
-    # step's items
+    # step's items, starting without the step's AdamW momentum (with it, each pass carried on teaching the step)
     repair_passes: int = Field(0, ge=0)
     repair_margin: float = Field(1.0, ge=0.0)
     # ...and while any of this many of the set's tool calls that the base model writes greedily (by more than
     # gate.pinned_tie_margin) is no longer written so (a token of it no likelier than the best other there): the
     # calls the gate's greedy check holds, watched on other requests of the same kinds (run EP: jun's steps at
     # --lora-lr 2e-3 were turned away three times for "What day of the week is 2027-10-30?"). Taken round robin
-    # over the tools, the closest first; each check reads them all, one forward pass each; 0 = small talk only.
-    # A repair pass starts without the step's AdamW momentum, which would carry on teaching the step
+    # over the tools, the closest first; each check reads them all, one forward pass each; 0 = small talk only
     repair_calls: int = Field(0, ge=0)
     # every pass also holds each of the set's small talk's log-probability of opening with a tool call at or
     # below where the step found it (the mean rise, times this): a step's pull towards calls on every chat,

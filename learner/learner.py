@@ -178,8 +178,8 @@ class Learner:
         self._rehearsal: list[tuple[list[int], list[int]]] = []
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
-        self._watched: list[tuple[list[int], list[int]]] | None = None  # rehearsal.repair_calls' calls, read once
         self._rehearsal_reads: list[str | None] = []  # ... and the tool whose result it answers from, if any
+        self._watched: list[tuple[list[int], list[int]]] | None = None  # rehearsal.repair_calls' calls, read once
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
