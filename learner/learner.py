@@ -41,12 +41,12 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean, pvariance
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -766,9 +766,8 @@ class Learner:
                 for i, ((_, tool), gap) in enumerate(zip(called, gaps, strict=True)):
                     if min(gap) > margin:
                         by_tool.setdefault(tool, []).append((min(gap), i))
-                rounds = itertools.zip_longest(*(sorted(picks) for _, picks in sorted(by_tool.items())))
-                order = [pick[1] for row in rounds for pick in row if pick is not None]
-                self._watched = [called[i][0] for i in order[:wanted]]
+                order = round_robin(sorted(picks) for _, picks in sorted(by_tool.items()))
+                self._watched = [called[i][0] for _, i in order[:wanted]]
         return self._watched
 
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
@@ -948,8 +947,17 @@ def spread_by_hint(samples: Sequence[tuple[Judgment, Turn]], n: int) -> list[tup
     groups: dict[str, list[tuple[Judgment, Turn]]] = {}
     for sample in samples:
         groups.setdefault(" ".join((sample[0].hint or "").split()).casefold(), []).append(sample)
-    rounds = itertools.zip_longest(*groups.values())
-    return [sample for row in rounds for sample in row if sample is not None][:n]
+    return round_robin(groups.values())[:n]
+
+
+T = TypeVar("T")
+_NONE: Any = object()  # a gap in round_robin's rows, never an item
+
+
+def round_robin(groups: Iterable[Sequence[T]]) -> list[T]:
+    """The first item of each group in turn, then the second of each, and so on."""
+    return [item for row in itertools.zip_longest(*groups, fillvalue=_NONE) for item in row if item is not _NONE]
+
 
 
 def _taught_hint(hint: str | None, turn: Turn) -> str | None:
