@@ -398,11 +398,13 @@ class RehearsalConfig(Section):
     # step's items, starting without the step's AdamW momentum (with it, each pass carried on teaching the step)
     repair_passes: int = Field(0, ge=0)
     repair_margin: float = Field(1.0, ge=0.0)
-    # ...and while any of this many of the set's tool calls that the base model writes greedily (by more than
-    # gate.pinned_tie_margin) is no longer written so (a token of it no likelier than the best other there): the
-    # calls the gate's greedy check holds, watched on other requests of the same kinds (run EP: jun's steps at
-    # --lora-lr 2e-3 were turned away three times for "What day of the week is 2027-10-30?"). Taken round robin
-    # over the tools, the closest first; each check reads them all, one forward pass each; 0 = small talk only
+    # ...and while any of this many of the set's tool calls, and answers read off a tool's result, that the base
+    # model writes greedily (by more than gate.pinned_tie_margin) is no longer written so (a token of it no likelier
+    # than the best other there; an answer read to its last digit, at least its opening): the replies the gate's
+    # greedy check holds, watched on other requests of the same kinds (run EP: jun's steps at --lora-lr 2e-3 were
+    # turned away three times for "What day of the week is 2027-10-30?"; run ES: alex's three times for a date
+    # sum's answer). Taken round robin over the tools, calls and answers apart, the closest first; each check reads
+    # them all, one forward pass each; 0 = small talk only
     repair_calls: int = Field(0, ge=0)
     # every pass also holds each of the set's small talk's log-probability of opening with a tool call at or
     # below where the step found it (the mean rise, times this): a step's pull towards calls on every chat,

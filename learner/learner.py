@@ -53,6 +53,7 @@ import structlog
 
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
 from whet.learner.gate import (
+    ANSWER_OPENING,
     PinnedAction,
     PromotionGate,
     Replayed,
@@ -179,7 +180,8 @@ class Learner:
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
         self._rehearsal_reads: list[str | None] = []  # ... and the tool whose result it answers from, if any
-        self._watched: list[tuple[list[int], list[int]]] | None = None  # rehearsal.repair_calls' calls, read once
+        # rehearsal.repair_calls' calls and answers, each with how many of its reply's tokens are watched; read once
+        self._watched: list[tuple[tuple[list[int], list[int]], int]] | None = None
         self._regression: list[tuple[list[int], list[int]]] | None = None
         # (live version, the regression set's log-probs, greedy checks and greedy replies under it)
         self._regression_live: tuple[str | None, list[float], list[bool], list[list[int]]] | None = None
@@ -723,24 +725,24 @@ class Learner:
         small talk within ``repair_margin`` nats of a tool call (the odds of a reply's first token being
         the first token of a call, against the likeliest other), up to that many :meth:`LoraTrainer.repair`
         passes on those chats beside the step's ``rehearsal``; with ``repair_calls``, also while any of the set's
-        watched calls (:meth:`_watched_calls`) is no longer the reply greedy decoding writes, on those calls too.
-        Returns how many chats were that close, and calls lost, before each pass and after the last ([] when off).
+        watched replies (:meth:`_watched_calls`) is no longer what greedy decoding writes, on those items too.
+        Returns how many chats were that close, and watched replies lost, before each pass and after the last ([] when off).
 
         Why: a step that teaches one user's values for short requests moves every short chat towards a
         call by about the same odds (stop 37 measured +1 to +1.5 nats on most of 216 chats); the gate sees
         it when a chat that already sat near the boundary crosses it. A greedy check of the rehearsal
         chats saw nothing (none had crossed), so this reads how near each one came."""
         passes = self.config.rehearsal.repair_passes
-        talk, calls = self._small_talk(), self._watched_calls(trainer) if passes else []
-        if not passes or not (talk or calls):
+        talk, watched = self._small_talk(), self._watched_calls(trainer) if passes else []
+        if not passes or not (talk or watched):
             return []
         opening = call_opening(trainer.tokenizer)
         counts = []
         for n in range(passes + 1):
             odds = trainer.opening_odds([p for p, _ in talk], opening) if talk else []
             near = [item for item, o in zip(talk, odds, strict=True) if o > -self.config.rehearsal.repair_margin]
-            gaps = trainer.reply_gaps([p for p, _ in calls], [r for _, r in calls]) if calls else []
-            lost = [item for item, g in zip(calls, gaps, strict=True) if min(g) <= 0]
+            gaps = trainer.reply_gaps([p for (p, _), _ in watched], [r[:w] for (_, r), w in watched]) if watched else []
+            lost = [item for (item, _), g in zip(watched, gaps, strict=True) if min(g) <= 0 and item not in near]
             counts.append(len(near) + len(lost))
             if not (near or lost) or n == passes:
                 break
@@ -749,25 +751,34 @@ class Learner:
             trainer.repair(near + lost, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
         return counts
 
-    def _watched_calls(self, trainer: LoraTrainer) -> list[tuple[list[int], list[int]]]:
-        """``learner.rehearsal.repair_calls`` of the rehearsal set's tool calls that the base model writes greedily
-        by more than ``gate.pinned_tie_margin`` nats at their closest token (the calls the gate's greedy check would
-        count; a near tie the noise of any step tips, run EQ, it does not), taken round robin over the tools they
-        call, the closest first; read once, under the base weights."""
+    def _watched_calls(self, trainer: LoraTrainer) -> list[tuple[tuple[list[int], list[int]], int]]:
+        """``learner.rehearsal.repair_calls`` of the rehearsal set's replies that the base model writes greedily
+        by more than ``gate.pinned_tie_margin`` nats at their closest token (the replies the gate's greedy check
+        would count; a near tie the noise of any step tips, run EQ, it does not), each with how many of its tokens
+        are watched: a tool call whole, an answer read off a tool's result to :func:`_answer_window`. Taken round
+        robin over the tools they call or read (a tool's calls and its answers apart), the closest first; read
+        once, under the base weights.
+
+        Answers too, because the gate holds them: run ES turned away three of alex's steps in a row, each for one
+        pinned answer (the date that "Which date is 78 days from 2027-01-02?" reads off ``add_to_date``), which
+        no watched call would have shown."""
         wanted, margin = self.config.rehearsal.repair_calls, self.config.gate.pinned_tie_margin
         if self._watched is None:
-            called = [(item, min(tools)) for item, tools in zip(self._rehearsal, self._rehearsal_tools, strict=True)
-                      if tools]  # fmt: skip
+            reads = self._rehearsal_reads or [None] * len(self._rehearsal)
+            kinds = [(item, min(tools), len(item[1])) if tools else
+                     (item, f"{read}, answered", _answer_window(trainer.tokenizer, item[1])) if read else None
+                     for item, tools, read in zip(self._rehearsal, self._rehearsal_tools, reads, strict=True)]  # fmt: skip
+            watchable = [k for k in kinds if k is not None]
             self._watched = []
-            if wanted and called:
+            if wanted and watchable:
                 with trainer.model.disable_adapter():
-                    gaps = trainer.reply_gaps([p for (p, _), _ in called], [r for (_, r), _ in called])
-                by_tool: dict[str, list[tuple[float, int]]] = {}
-                for i, ((_, tool), gap) in enumerate(zip(called, gaps, strict=True)):
-                    if min(gap) > margin:
-                        by_tool.setdefault(tool, []).append((min(gap), i))
-                order = round_robin(sorted(picks) for _, picks in sorted(by_tool.items()))
-                self._watched = [called[i][0] for _, i in order[:wanted]]
+                    gaps = trainer.reply_gaps([p for (p, _), _, _ in watchable], [r[:n] for (_, r), _, n in watchable])
+                by_kind: dict[str, list[tuple[float, int]]] = {}
+                for i, ((_, kind, _), gap) in enumerate(zip(watchable, gaps, strict=True)):
+                    if gap and min(gap) > margin:
+                        by_kind.setdefault(kind, []).append((min(gap), i))
+                order = round_robin(sorted(picks) for _, picks in sorted(by_kind.items()))
+                self._watched = [(watchable[i][0], watchable[i][2]) for _, i in order[:wanted]]
         return self._watched
 
     def _regression_before(self, trainer: LoraTrainer, live: str | None,
@@ -1099,6 +1110,14 @@ def _reads(tokenizer: Any, prompt: list[int]) -> str | None:
         return None
     names = _CALLED.findall(before.rpartition(TOOL_CALL_OPEN)[2])
     return names[0] if names else None
+
+
+def _answer_window(tokenizer: Any, reply: list[int]) -> int:
+    """How many tokens of an answer read off a tool's result the repair watches: its opening
+    (:data:`~whet.learner.gate.ANSWER_OPENING`, where the gate decides an answer with no number), and on to its last
+    token that writes a digit (an answer's numbers are what the gate's greedy check holds it to)."""
+    digits = [i for i, token in enumerate(reply) if any(c.isdigit() for c in tokenizer.decode([token]))]
+    return max(min(len(reply), ANSWER_OPENING), digits[-1] + 1 if digits else 0)
 
 
 def _called_values(tokenizer: Any, response: list[int]) -> set[str]:

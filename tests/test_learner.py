@@ -492,10 +492,12 @@ def test_forgetting_momentum_zeroes_adamws_running_mean_of_gradients_and_keeps_t
 
 
 def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candidate_no_longer_does(tiny_model, tmp_path):
-    """``learner.rehearsal.repair_calls``: of the rehearsal set's calls the base model writes greedily (every token
-    ahead of the best other), that many are watched, round robin over their tools and the closest to a tie first;
-    a repair pass runs while any of them is lost (a token no longer ahead), on those calls beside the near chats."""
-    config = learner_config(rehearsal={"repair_passes": 3, "repair_margin": 1.0, "repair_calls": 3})
+    """``learner.rehearsal.repair_calls``: of the rehearsal set's calls and answers read off a tool's result that
+    the base model writes greedily (every watched token ahead of the best other), that many are watched, round
+    robin over their tools (a tool's calls and its answers apart) and the closest to a tie first; a repair pass
+    runs while any of them is lost (a token no longer ahead), on those items beside the near chats. An answer is
+    watched to its last digit, at least its opening: what the gate's greedy check holds it to."""
+    config = learner_config(rehearsal={"repair_passes": 3, "repair_margin": 1.0, "repair_calls": 4})
     learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
     trainer = learner._trainer_now()
 
@@ -505,39 +507,48 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
 
     chat = encode_turn(trainer, "Hi!", "Hello!")[1:]
     prompts = [encode_turn(trainer, q, "x")[1] for q in ("Time?", "Time in Oslo?", "Weekday?", "Day of 2027-01-02?",
-                                                            "Weekday of it?", "What time is it?")]  # fmt: skip
+                                                            "Weekday of it?", "What time is it?", "Its weekday?")]  # fmt: skip
     names = ["now", "now", "weekday", "weekday", "weekday", "now"]
-    calls = [(p, call(n)) for p, n in zip(prompts, names, strict=True)]
-    learner._rehearsal = [chat, *calls]
-    learner._rehearsal_tools = [set(), *({n} for n in names)]
-    base = [[2.0, 0.8], [3.0, 1.5], [0.7, 5.0], [-0.1, 4.0], [1.9, 2.0], [0.3, 3.0]]  # min: .8 1.5 .7 -.1 1.9 .3
+    calls = [(p, call(n)) for p, n in zip(prompts[:6], names, strict=True)]
+    said = "That is a Sunday, the 21st of March 2027, a quiet day for a long walk in the park with friends and family."
+    answer = (prompts[6], trainer.tokenizer.encode(said, add_special_tokens=False))
+    digits = [i for i, t in enumerate(answer[1]) if any(c.isdigit() for c in trainer.tokenizer.decode([t]))]
+    window = digits[-1] + 1
+    assert 16 < window < len(answer[1])  # the date lies past the opening, and words follow it
+    learner._rehearsal = [chat, *calls, answer]
+    learner._rehearsal_tools = [set(), *({n} for n in names), set()]
+    learner._rehearsal_reads = [None] * 7 + ["weekday"]
+    base = [[2.0, 0.8], [3.0, 1.5], [0.7, 5.0], [-0.1, 4.0], [1.9, 2.0], [0.3, 3.0], [1.2] * window]
     live = {i: list(g) for i, g in enumerate(base)}
     mended, read = [], []
 
     def reply_gaps(ps, rs):
         read.append(len(ps))
-        if len(read) == 1:  # the first read is the base model's, of every call
-            assert ps == prompts
+        if len(read) == 1:  # the first read is the base model's, of every call and answer, the answer to its window
+            assert ps == prompts and rs == [r for _, r in calls] + [answer[1][:window]]
             return [list(g) for g in base]
+        assert [len(r) for p, r in zip(ps, rs, strict=True) if p == answer[0]] == [window]  # read to its window
         return [live[prompts.index(p)] for p in ps]
 
     def repair(items, rehearsal, weight, first):
         mended.append(sorted(prompts.index(p) for p, _ in items if p in prompts))
+        assert answer not in items or items.count(answer) == 1  # trained whole, once
         for p, _ in items:
             if p in prompts:
-                live[prompts.index(p)][0] += 1.0  # a pass mends by a nat
+                live[prompts.index(p)] = [g + 1.0 for g in live[prompts.index(p)]]  # a pass mends by a nat
         return {}
 
     trainer.reply_gaps, trainer.repair = reply_gaps, repair
-    trainer.opening_odds = lambda ps, token: [-5.0] * len(ps)  # the chat stays far from a call
+    trainer.opening_odds = lambda ps, token: [-5.0] * len(ps)  # the chat and the answer stay far from a call
     forgot = []
     trainer.forget_momentum = lambda: forgot.append(len(mended))
-    # watched: now's closest (.8), weekday's closest (.7), now's next (1.5); not the calls the base does not write
-    # (-.1), nor one it writes by less than the gate's pinned_tie_margin (.3, under the default .5)
-    assert learner._watched_calls(trainer) == [calls[0], calls[2], calls[1]]
-    live[0][0], live[2][0] = -0.5, -1.5  # the step tipped two of them; -1.5 takes two passes to mend
-    assert learner._repair(trainer, ["step's"]) == [2, 1, 0]  # type: ignore[list-item]
-    assert mended == [[0, 2], [2]] and read == [6, 3, 3, 3]
+    # watched: now's closest (.8), weekday's closest (.7), weekday's answer (1.2), now's next (1.5); not the calls
+    # the base does not write (-.1), nor one it writes by less than the gate's pinned_tie_margin (.3, under .5)
+    assert learner._watched_calls(trainer) == [(calls[0], len(calls[0][1])), (calls[2], len(calls[2][1])),
+                                               (answer, window), (calls[1], len(calls[1][1]))]  # fmt: skip
+    live[0][0], live[2][0], live[6][-1] = -0.5, -1.5, -0.2  # the step tipped two calls and the answer's date
+    assert learner._repair(trainer, ["step's"]) == [3, 1, 0]  # type: ignore[list-item]
+    assert mended == [[0, 2, 6], [2]] and read == [7, 4, 4, 4]
     assert forgot == [0]  # the step's momentum dropped once, before the first repair pass
     learner.config.rehearsal.repair_calls = 0
     learner._watched = None
