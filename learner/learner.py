@@ -764,13 +764,14 @@ class Learner:
         no watched call would have shown."""
         wanted, margin = self.config.rehearsal.repair_calls, self.config.gate.pinned_tie_margin
         if self._watched is None:
-            reads = self._rehearsal_reads or [None] * len(self._rehearsal)
-            kinds = [(item, min(tools), len(item[1])) if tools else
-                     (item, f"{read}, answered", _answer_window(trainer.tokenizer, item[1])) if read else None
-                     for item, tools, read in zip(self._rehearsal, self._rehearsal_tools, reads, strict=True)]  # fmt: skip
-            watchable = [k for k in kinds if k is not None]
             self._watched = []
-            if wanted and watchable:
+            watchable = []  # (item, the tool it calls or answers from, how many of its reply's tokens are watched)
+            for item, tools, read in zip(self._rehearsal, self._rehearsal_tools, self._rehearsal_reads, strict=True) if wanted else ():
+                if tools:
+                    watchable.append((item, min(tools), len(item[1])))
+                elif read:
+                    watchable.append((item, f"{read}, answered", _answer_window(trainer.tokenizer, item[1])))
+            if watchable:
                 with trainer.model.disable_adapter():
                     gaps = trainer.reply_gaps([p for (p, _), _, _ in watchable], [r[:n] for (_, r), _, n in watchable])
                 by_kind: dict[str, list[tuple[float, int]]] = {}
