@@ -532,12 +532,16 @@ class LoraTrainer:
         """One more optimizer pass after :meth:`step`, on rehearsal alone: ``chats`` (small talk the step
         brought near a tool call, each with the reply the model gave it before) on their token mean and
         their first tokens at full weight, beside the step's ``rehearsal`` weighed as :meth:`step` weighs
-        it. The samples are not in it: what the step taught moves only as far as these chats pull it."""
+        it. The samples are not in it: what the step taught moves only as far as these chats pull it.
+
+        The prompts are read as a step reads them (:meth:`_reusing_prompts`): the prefix they share once a pass,
+        not once an item (each read its whole prompt, system prompt and tool list included, before)."""
         self.model.train()
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            stats = {"repair_loss": self._rehearse(chats, 1.0, 1.0)[0]}
-            return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
+            with self._reusing_prompts([p for p, _ in [*chats, *rehearsal]]):
+                stats = {"repair_loss": self._rehearse(chats, 1.0, 1.0)[0]}
+                return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
 

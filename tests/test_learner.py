@@ -14,7 +14,7 @@ import torch
 from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner.gate import PinnedAction
 from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
-from whet.learner.learner import TRAINER_STATE, Learner
+from whet.learner.learner import REPAIR_REACH, TRAINER_STATE, Learner
 from whet.learner.model import stop_token_ids
 from whet.learner.objective import blamed_tokens, build_objective, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids, prompt_text, prompt_with_lessons, relessoned
@@ -449,23 +449,26 @@ def test_a_repair_pass_learns_the_lost_chats_whole_and_their_first_tokens_beside
 def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(tiny_model, tmp_path, passes, counts,
                                                                              repaired):  # fmt: skip
     """``learner.rehearsal.repair_passes``: each of the rehearsal set's small talk whose first token is within
-    ``repair_margin`` nats of a tool call's is repaired, up to that many passes, until none is.
-    Calls in the set are not checked."""
+    ``repair_margin`` nats of a tool call's is repaired, up to that many passes, until none is. Calls in the set
+    are not checked, nor, after the first check, a chat the step left further than ``REPAIR_REACH`` past the line."""
     config = learner_config(rehearsal={"repair_passes": passes, "repair_margin": 1.5})
     learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
     trainer = learner._trainer_now()
     call = trainer.tokenizer.encode('<tool_call>\n{"name": "add_note", "arguments": {"text": "x"}}\n</tool_call>',
                                     add_special_tokens=False)  # fmt: skip
-    chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."), ("Ok.", "Ok!"))]
+    chats = [encode_turn(trainer, q, a)[1:] for q, a in (("Hi!", "Hello!"), ("Long day?", "It was."), ("Ok.", "Ok!"),
+                                                         ("Thanks.", "You're welcome!"))]  # fmt: skip
     learner._rehearsal = [*chats, (chats[0][0], call)]
-    learner._rehearsal_tools = [set(), set(), set(), {"add_note"}]
-    learner._rehearsal_values = [set(), set(), set(), {"x"}]
-    odds = [0.3, -1.2, -1.6]  # the first two within 1.5 nats of a call; each repair pass mends the nearest
+    learner._rehearsal_tools = [set(), set(), set(), set(), {"add_note"}]
+    learner._rehearsal_values = [set(), set(), set(), set(), {"x"}]
+    # the first two within 1.5 nats of a call; each repair pass mends the nearest; the third within reach, the
+    # last beyond it
+    odds = [0.3, -1.2, -1.6, -1.5 - REPAIR_REACH - 0.1]
     asked, mended = [], []
 
     def opening_odds(prompts, token):
         asked.append((list(prompts), token))
-        return list(odds)
+        return [odds[[p for p, _ in chats].index(p)] for p in prompts]
 
     def repair(near, rehearsal, weight, first):
         mended.append(len(near))
@@ -476,8 +479,9 @@ def test_the_learner_repairs_while_its_rehearsal_small_talk_opens_near_a_call(ti
     trainer.opening_odds, trainer.repair = opening_odds, repair
     assert learner._repair(trainer, ["step's"]) == counts  # type: ignore[list-item]
     assert mended == repaired
-    for prompts, token in asked:
-        assert prompts == [p for p, _ in chats] and token == call[0]
+    reads = [[p for p, _ in chats]] + [[p for p, _ in chats[:3]]] * len(repaired) if passes else []
+    assert [prompts for prompts, _ in asked] == reads
+    assert all(token == call[0] for _, token in asked)
 
 
 def test_forgetting_momentum_zeroes_adamws_running_mean_of_gradients_and_keeps_their_scale(tiny_model):
@@ -547,8 +551,9 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
     assert learner._watched_calls(trainer) == [(calls[0], len(calls[0][1])), (calls[2], len(calls[2][1])),
                                                (answer, window), (calls[1], len(calls[1][1]))]  # fmt: skip
     live[0][0], live[2][0], live[6][-1] = -0.5, -1.5, -0.2  # the step tipped two calls and the answer's date
+    live[1] = [3.0, REPAIR_REACH + 0.5]  # and moved now's next further ahead: beyond reach, read once
     assert learner._repair(trainer, ["step's"]) == [3, 1, 0]  # type: ignore[list-item]
-    assert mended == [[0, 2, 6], [2]] and read == [7, 4, 4, 4]
+    assert mended == [[0, 2, 6], [2]] and read == [7, 4, 3, 3]
     assert forgot == [0]  # the step's momentum dropped once, before the first repair pass
     learner.config.rehearsal.repair_calls = 0
     learner._watched = None
