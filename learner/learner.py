@@ -114,9 +114,9 @@ log = structlog.get_logger()
 
 TRAINER_STATE = "trainer_state.json"
 FINAL_KINDS = ("user_message", "feedback")  # next states that judge a whole request
-# nats: how far past the repair's line (repair_margin for a chat's odds of a call, a tie for a watched reply's
-# tokens) an item may sit after a step and still be read again after each repair pass; one optimizer pass that
-# trains replies away from calls moves the odds a fraction of a step's 1-1.5 nats (stop 37)
+# nats: how far past repair_margin a chat's odds of opening with a call may sit after a step and the chat still be
+# read again after each repair pass; a pass that trains replies away from calls moves them a fraction of a step's
+# 1-1.5 nats (stop 37), and away from the call
 REPAIR_REACH = 2.0
 
 
@@ -737,11 +737,11 @@ class Learner:
         it when a chat that already sat near the boundary crosses it. A greedy check of the rehearsal
         chats saw nothing (none had crossed), so this reads how near each one came.
 
-        The first check reads every chat and watched reply; the checks after a repair pass read only those the
-        first found within :data:`REPAIR_REACH` of the line (a chat that far from a call, a reply that far
-        ahead, is not brought across it by passes that train replies away from calls), and the counts after
-        the first are of those. Each check read 48 chats and 32 replies, ~34 s on one core of a Zen 5, and a
-        step made two or three of them (run ET: 1262 s of repairs in 9 steps)."""
+        The first check reads every chat; the checks after a repair pass read only the chats it found within
+        :data:`REPAIR_REACH` of the line (passes that train replies away from calls do not bring a chat that far
+        from a call across it), and every watched reply (those passes can pull a call's tokens down). A check of
+        48 chats and 32 replies took ~34 s on one core of a Zen 5, 22 s of it the chats, and a step made two or
+        three (run ET: 1262 s of repairs in 9 steps); after run EU's steps no chat sat within reach."""
         passes = self.config.rehearsal.repair_passes
         talk, watched = self._small_talk(), self._watched_calls(trainer) if passes else []
         if not passes or not (talk or watched):
@@ -758,9 +758,8 @@ class Learner:
                 break
             if n == 0:  # a repair pass mends what the step broke; with the step's momentum it went on teaching the
                 trainer.forget_momentum()  # step (run EQ: 4 calls lost, then 6, 10, 10 and 5 after four passes)
-                # the checks after a pass read only what the step left within REPAIR_REACH of the line
+                # the checks after a pass read only the chats the step left within REPAIR_REACH of the line
                 talk = [item for item, o in zip(talk, odds, strict=True) if o > -margin - REPAIR_REACH]
-                watched = [w for w, g in zip(watched, gaps, strict=True) if min(g) <= REPAIR_REACH]
             trainer.repair(near + lost, rehearsal, self.config.rehearsal.weight, self.config.rehearsal.first_token_weight)
         return counts
 

@@ -551,9 +551,9 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
     assert learner._watched_calls(trainer) == [(calls[0], len(calls[0][1])), (calls[2], len(calls[2][1])),
                                                (answer, window), (calls[1], len(calls[1][1]))]  # fmt: skip
     live[0][0], live[2][0], live[6][-1] = -0.5, -1.5, -0.2  # the step tipped two calls and the answer's date
-    live[1] = [3.0, REPAIR_REACH + 0.5]  # and moved now's next further ahead: beyond reach, read once
+    live[1] = [3.0, REPAIR_REACH + 0.5]  # and moved now's next further ahead: every watched reply is read again
     assert learner._repair(trainer, ["step's"]) == [3, 1, 0]  # type: ignore[list-item]
-    assert mended == [[0, 2, 6], [2]] and read == [7, 4, 3, 3]
+    assert mended == [[0, 2, 6], [2]] and read == [7, 4, 4, 4]
     assert forgot == [0]  # the step's momentum dropped once, before the first repair pass
     learner.config.rehearsal.repair_calls = 0
     learner._watched = None
