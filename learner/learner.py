@@ -779,7 +779,9 @@ class Learner:
         if self._watched is None:
             self._watched = []
             watchable = []  # (item, the tool it calls or answers from, how many of its reply's tokens are watched)
-            for item, tools, read in zip(self._rehearsal, self._rehearsal_tools, self._rehearsal_reads, strict=True) if wanted else ():
+            # with repair_calls 0 nothing is gathered, nor read under the base weights
+            rehearsal = zip(self._rehearsal, self._rehearsal_tools, self._rehearsal_reads, strict=True) if wanted else ()
+            for item, tools, read in rehearsal:
                 if tools:
                     watchable.append((item, min(tools), len(item[1])))
                 elif read:
