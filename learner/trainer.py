@@ -48,6 +48,7 @@ from whet.learner.prompt import split_tool_calls
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 CONTRASTS = 3  # other actions each teacher action is raised above, at most (:meth:`LoraTrainer._contrasts`)
+OPENINGS_BATCH = 16  # anchored prompts whose reply's first token one forward pass reads (:class:`_Openings`)
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -78,6 +79,24 @@ class Anchor:
     token: int
     weight: float
     calls: Sequence[Sequence[int]] = ()
+
+
+@dataclass
+class _Openings:
+    """A batch of a step's anchored prompts, whose reply's first token every pass reads (:meth:`LoraTrainer._anchor`):
+    with ``cache``, all of them in one forward pass, their keys and values (each prompt but its last token, read
+    once a step) stacked, each prompt's left-padded to the longest (``mask`` 0 on the padding), and their last
+    tokens run against them at their own positions; without, one prompt (:meth:`LoraTrainer._opening`).
+
+    One at a time, a prompt's opening was a one-token forward and backward pass through every layer: ~0.25 s each
+    on one core of a Zen 3 EPYC, nearly all of it per-call overhead, and a step read 48 chats and the drawn calls
+    five times (its start and four passes). In batches of 16 the same openings, and the same gradient, cost ~0.09 s
+    each (bench/results/RUNS.md, stop 72)."""
+
+    prompts: list[Sequence[int]]
+    cache: Any = None  # the stacked keys and values, [B, heads, L, dim] a layer
+    mask: torch.Tensor | None = None  # [B, L + 1]
+    length: int = 0  # L
 
 
 class LoraTrainer:
@@ -454,12 +473,15 @@ class LoraTrainer:
         anchor = anchor if anchor is not None and anchor.weight > 0 and (anchor.prompts or anchor.calls) else None
         held = [*anchor.prompts, *anchor.calls] if anchor else []
         first: float | None = None
-        with self._reusing_prompts([s.prompt_ids for s in samples] + [p for p, _ in rehearsal] + held):
+        trained = [s.prompt_ids for s in samples] + [p for p, _ in rehearsal]
+        with self._reusing_prompts(trained + held):
+            openings = self._openings(held, trained)
             with torch.no_grad():  # each chat's log-probability of opening with a call, as the step found it
-                start = [float(self._opening(prompt)[anchor.token]) for prompt in held] if anchor else []
+                start = [float(x) for batch in openings for x in self._read_openings(batch)[:, anchor.token]] \
+                    if anchor else []  # fmt: skip
             for _ in range(self.lora.epochs):
                 stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight,
-                                   rehearsal_first, (anchor, start) if anchor else None, contrasts)  # fmt: skip
+                                   rehearsal_first, (anchor, openings, start) if anchor else None, contrasts)  # fmt: skip
                 first = stats["loss"] if first is None else first
                 if tick is not None:
                     tick()
@@ -491,7 +513,7 @@ class LoraTrainer:
               actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
               rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
               rehearsal_weight: float = 1.0, rehearsal_first: float = 0.0,
-              anchor: tuple[Anchor, list[float]] | None = None,
+              anchor: tuple[Anchor, list[_Openings], list[float]] | None = None,
               contrasts: Sequence[tuple[int, list[tuple[int, int]]]] = ()) -> dict[str, float]:  # fmt: skip
         """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
         The importance ratio stays against the behaviour log-probs, so the clip bounds how far
@@ -662,7 +684,51 @@ class LoraTrainer:
         """log p(. | prompt): the distribution of the reply's first token, [V]; grad follows torch's mode."""
         return self.response_distributions(prompt, [0])[0]  # [V]: the one response token is not read
 
-    def _anchor(self, anchor: Anchor, start: Sequence[float]) -> dict[str, float]:
+    def _openings(self, prompts: Sequence[Sequence[int]], trained: Sequence[Sequence[int]]) -> list[_Openings]:
+        """``prompts`` in batches of :data:`OPENINGS_BATCH` (:class:`_Openings`), their keys and values stacked
+        from the step's (:meth:`_reusing_prompts`); the cache of a prompt no ``trained`` one shares is dropped
+        from the step's once stacked. Without gradients. One prompt a batch where the step keeps no caches
+        (``lora.train_prompt``: each prompt's own rest runs with gradients) or its model's cache is not of
+        plain layers (:func:`_stackable`)."""
+        caches = [self._step_caches.get(tuple(p[:-1])) for p in prompts]
+        if not prompts or not all(_stackable(c) for c in caches if c is not None) or any(
+                c is None and len(p) > 1 for p, c in zip(prompts, caches, strict=True)):  # fmt: skip
+            return [_Openings([p]) for p in prompts]
+        batches = []
+        with torch.no_grad():
+            for start in range(0, len(prompts), OPENINGS_BATCH):
+                chunk, kept = prompts[start:start + OPENINGS_BATCH], caches[start:start + OPENINGS_BATCH]
+                length = max(len(p) - 1 for p in chunk)
+                some = next((c for c in kept if c is not None), None)
+                stacked = None
+                if some is not None:
+                    stacked = type(some)([tuple(_left_padded([getattr(c.layers[i], name) if c is not None
+                                                               else getattr(layer, name)[:, :, :0] for c in kept], length)
+                                                for name in ("keys", "values"))
+                                          for i, layer in enumerate(some.layers)])  # fmt: skip
+                mask = torch.tensor([[0] * (length + 1 - len(p)) + [1] * len(p) for p in chunk], device=self.device)
+                batches.append(_Openings(list(chunk), stacked, mask, length))
+        needed = {tuple(p[:-1]) for p in trained}
+        for p in prompts:
+            if tuple(p[:-1]) not in needed:
+                self._step_caches.pop(tuple(p[:-1]), None)
+        return batches
+
+    def _read_openings(self, batch: _Openings) -> torch.Tensor:
+        """log p(. | prompt) of each of ``batch``'s prompts, [B, V]; grad follows torch's mode."""
+        if batch.mask is None:
+            return self._opening(batch.prompts[0])[None]
+        ids = torch.tensor([[p[-1]] for p in batch.prompts], device=self.device)  # [B, 1]
+        positions = torch.tensor([[len(p) - 1] for p in batch.prompts], device=self.device)  # [B, 1]
+        with self._autocast():
+            logits = self.model(ids, **with_cache(batch.cache), use_cache=batch.cache is not None,
+                                attention_mask=batch.mask, position_ids=positions).logits[:, -1]  # [B, V]
+        if batch.cache is not None:  # the pass appended the last tokens' keys and values: take them off again
+            for layer in batch.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :batch.length].detach(), layer.values[:, :, :batch.length].detach()
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _anchor(self, anchor: Anchor, openings: Sequence[_Openings], start: Sequence[float]) -> dict[str, float]:
         """Adds to the gradients ``anchor.weight`` times the gradient of the mean over ``anchor.prompts`` of how
         far each one's log-probability of opening with ``anchor.token`` rose above its ``start`` (0 where it did
         not rise), and of the mean over ``anchor.calls`` of how far it fell below (0 where it did not fall), one
@@ -678,18 +744,24 @@ class LoraTrainer:
         The calls hold the other way: with small talk held, steps at a higher learning rate moved requests to
         answers in words ("What is 39 times 68?" -> "39 times 68 is 246."), the shape of the answers written
         from tool results that the batches rewarded."""
-        stats = {}
-        talk = len(anchor.prompts)  # ``start`` holds the small talk's, then the calls'
-        groups = (("anchor_rise", anchor.prompts, start[:talk], 1.0), ("anchor_calls", anchor.calls, start[talk:], -1.0))
-        for name, prompts, starts, sign in groups:
-            total = 0.0
-            for prompt, before in zip(prompts, starts, strict=True):
-                change = self._opening(prompt)[anchor.token] - before  # []
-                if sign * float(change.detach()) > 0:  # a chat nearer a call, or a call further from it
-                    (anchor.weight * sign * change / len(prompts)).backward()
-                total += float(change.detach())
-            if prompts:
-                stats[name] = total / len(prompts)
+        talk, calls = len(anchor.prompts), len(anchor.calls)  # ``openings`` hold the small talk, then the calls
+        signs = torch.tensor([1.0] * talk + [-1.0] * calls, device=self.device)
+        scale = torch.tensor([anchor.weight / max(talk, 1)] * talk + [anchor.weight / max(calls, 1)] * calls,
+                             device=self.device)  # each group's mean
+        befores, changes, done = torch.tensor(list(start), device=self.device), [], 0
+        for batch in openings:  # one batch's graph at a time
+            n = len(batch.prompts)
+            change = self._read_openings(batch)[:, anchor.token] - befores[done:done + n]  # [B]
+            sign = signs[done:done + n]
+            pulled = (sign * change.detach() > 0).float()  # a chat nearer a call, or a call further from it
+            if bool(pulled.any()):
+                (scale[done:done + n] * sign * change * pulled).sum().backward()
+            changes.append(change.detach())
+            done += n
+        moved = torch.cat(changes) if changes else befores
+        stats = {"anchor_rise": float(moved[:talk].mean())} if talk else {}
+        if calls:
+            stats["anchor_calls"] = float(moved[talk:].mean())
         return stats
 
     @property
@@ -833,6 +905,22 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _stackable(cache: Any) -> bool:
+    """Whether ``cache`` holds plain keys and values a layer (transformers' dynamic layers: no sliding window,
+    no quantized or offloaded layer), which :meth:`LoraTrainer._openings` can stack along the batch."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _left_padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """[1, heads, L_i, dim] tensors as one [B, heads, length, dim], each padded with zeros before its positions."""
+    first = tensors[0]
+    stacked = first.new_zeros((len(tensors), first.shape[1], length, first.shape[3]))
+    for i, t in enumerate(tensors):
+        stacked[i, :, length - t.shape[2]:] = t[0]
+    return stacked
 
 
 def _pick(distributions: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from whet.config.settings import LearnerConfig, LoraConfig
+from whet.learner import trainer as trainer_module
 from whet.learner.gate import PinnedAction
 from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
 from whet.learner.learner import REPAIR_REACH, TRAINER_STATE, Learner
@@ -777,6 +778,49 @@ def test_an_anchor_holds_requests_odds_of_opening_with_a_call_where_the_step_fou
     held, held_stats = change(20.0)
     assert "anchor_calls" not in free_stats and "anchor_calls" in held_stats and "anchor_rise" not in held_stats
     assert free < -1e-3 and held > free / 2
+
+
+def test_an_anchor_reads_its_prompts_openings_in_batches_with_the_gradient_one_at_a_time_gives(tiny_model, monkeypatch):
+    """A step reads its anchored prompts' openings in batches (their keys and values stacked, left-padded to the
+    longest): the same openings, and the same gradient, as reading each prompt alone; the cache of a prompt only
+    the anchor reads is not kept beside the stacked one."""
+    monkeypatch.setattr(trainer_module, "OPENINGS_BATCH", 2)  # three batches, the last of one prompt
+    torch.manual_seed(0)
+    trainer = new_trainer(tiny_model)
+    for name, weight in trainer.model.named_parameters():
+        if "lora_B" in name:  # an adapter that is not the identity
+            torch.nn.init.normal_(weight, std=0.05)
+    token = trainer.tokenizer.encode('<tool_call>{"name": "now"}</tool_call>', add_special_tokens=False)[0]
+    chats = ["Hi!", "Good evening! Long day? I have been walking all afternoon.", "Tell me a joke.", "Thanks."]
+    prompts = [encode_turn(trainer, chat, "")[1] for chat in [*chats, "What time is it in Lisbon?"]]
+    assert len({len(p) for p in prompts}) > 2  # padded to the longest of each batch
+    trained = prompts[2:3]
+    anchor = Anchor(prompts[:4], token, 3.0, prompts[4:])
+    trainer.model.train()
+    with trainer._reusing_prompts(prompts):
+        with torch.no_grad():
+            alone = [float(trainer._opening(p)[token]) for p in prompts]
+        batches = trainer._openings(prompts, trained)
+        assert [len(b.prompts) for b in batches] == [2, 2, 1]
+        assert set(trainer._step_caches) == {tuple(p[:-1]) for p in trained}
+        with torch.no_grad():
+            read = [float(x) for b in batches for x in trainer._read_openings(b)[:, token]]
+        assert read == pytest.approx(alone, abs=1e-4)
+        # from these starts some have risen and some fallen: only a chat that rose, or a call that fell, pulls
+        start = [a + d for a, d in zip(alone, [-0.5, 0.5, -0.5, 0.5, 0.5], strict=True)]
+        trainer.model.zero_grad(set_to_none=True)
+        stats = trainer._anchor(anchor, batches, start)
+        batched = {n: w.grad.clone() for n, w in trainer.model.named_parameters() if w.grad is not None}
+        trainer.model.zero_grad(set_to_none=True)
+        for prompt, before, sign, n in zip(prompts, start, [1, 1, 1, 1, -1], [4, 4, 4, 4, 1], strict=True):
+            change = trainer._opening(prompt)[token] - before
+            if sign * float(change.detach()) > 0:
+                (3.0 * sign * change / n).backward()
+        single = {n: w.grad.clone() for n, w in trainer.model.named_parameters() if w.grad is not None}
+    assert batched.keys() == single.keys() and batched
+    assert all(torch.allclose(batched[n], single[n], atol=1e-6, rtol=1e-3) for n in single)
+    changes = [a - b for a, b in zip(alone, start, strict=True)]
+    assert stats == pytest.approx({"anchor_rise": sum(changes[:4]) / 4, "anchor_calls": changes[4]}, abs=1e-4)
 
 
 def test_bfloat16_training_reads_the_same_log_probs_to_a_few_hundredths_and_top_layers_train_alone(tiny_model):
