@@ -475,10 +475,9 @@ class LoraTrainer:
         first: float | None = None
         trained = [s.prompt_ids for s in samples] + [p for p, _ in rehearsal]
         with self._reusing_prompts(trained + held):
-            openings = self._openings(held, trained)
+            openings, token = self._openings(held, trained), anchor.token if anchor else 0  # none without an anchor
             with torch.no_grad():  # each chat's log-probability of opening with a call, as the step found it
-                start = [float(x) for batch in openings for x in self._read_openings(batch)[:, anchor.token]] \
-                    if anchor else []  # fmt: skip
+                start = [float(x) for batch in openings for x in self._read_openings(batch)[:, token]]
             for _ in range(self.lora.epochs):
                 stats = self._pass(samples, baseline, teacher, actions, reference, full, rehearsal, rehearsal_weight,
                                    rehearsal_first, (anchor, openings, start) if anchor else None, contrasts)  # fmt: skip
@@ -699,13 +698,7 @@ class LoraTrainer:
             for start in range(0, len(prompts), OPENINGS_BATCH):
                 chunk, kept = prompts[start:start + OPENINGS_BATCH], caches[start:start + OPENINGS_BATCH]
                 length = max(len(p) - 1 for p in chunk)
-                some = next((c for c in kept if c is not None), None)
-                stacked = None
-                if some is not None:
-                    stacked = type(some)([tuple(_left_padded([getattr(c.layers[i], name) if c is not None
-                                                               else getattr(layer, name)[:, :, :0] for c in kept], length)
-                                                for name in ("keys", "values"))
-                                          for i, layer in enumerate(some.layers)])  # fmt: skip
+                stacked = _stacked_cache(kept, length)
                 mask = torch.tensor([[0] * (length + 1 - len(p)) + [1] * len(p) for p in chunk], device=self.device)
                 batches.append(_Openings(list(chunk), stacked, mask, length))
         needed = {tuple(p[:-1]) for p in trained}
@@ -732,8 +725,9 @@ class LoraTrainer:
         """Adds to the gradients ``anchor.weight`` times the gradient of the mean over ``anchor.prompts`` of how
         far each one's log-probability of opening with ``anchor.token`` rose above its ``start`` (0 where it did
         not rise), and of the mean over ``anchor.calls`` of how far it fell below (0 where it did not fall), one
-        prompt's graph at a time. Returns each group's mean change, rises and falls alike: ``anchor_rise`` for
-        the small talk, ``anchor_calls`` for the calls (where there are any).
+        batch of ``openings`` (:class:`_Openings`, the prompts in order, small talk first) and its graph at a time.
+        Returns each group's mean change, rises and falls alike: ``anchor_rise`` for the small talk,
+        ``anchor_calls`` for the calls (where there are any).
 
         A step that teaches one user's calls moves every short chat towards opening with a call by about the
         same odds (stop 37 measured +1 to +1.5 nats on most of 216 chats), which the gate sees only when a chat
@@ -912,6 +906,20 @@ def _stackable(cache: Any) -> bool:
     no quantized or offloaded layer), which :meth:`LoraTrainer._openings` can stack along the batch."""
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _stacked_cache(caches: Sequence[Any], length: int) -> Any:
+    """One cache of ``caches``' keys and values along the batch, each left-padded to ``length`` positions (None for
+    a prompt of one token: all padding); None when every one is None."""
+    some = next((c for c in caches if c is not None), None)
+    if some is None:
+        return None
+    layers = []
+    for i, layer in enumerate(some.layers):
+        keys = [c.layers[i].keys if c is not None else layer.keys[:, :, :0] for c in caches]
+        values = [c.layers[i].values if c is not None else layer.values[:, :, :0] for c in caches]
+        layers.append((_left_padded(keys, length), _left_padded(values, length)))
+    return type(some)(layers)
 
 
 def _left_padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
