@@ -699,7 +699,7 @@ class LoraTrainer:
             for start in range(0, len(prompts), OPENINGS_BATCH):
                 chunk, kept = prompts[start:start + OPENINGS_BATCH], caches[start:start + OPENINGS_BATCH]
                 length = max(len(p) - 1 for p in chunk)
-                stacked = _stacked_cache(kept, length)
+                stacked = _stacked_cache(kept)
                 mask = torch.tensor([[0] * (length + 1 - len(p)) + [1] * len(p) for p in chunk], device=self.device)
                 batches.append(_Openings(list(chunk), stacked, mask, length))
         needed = {tuple(p[:-1]) for p in trained}
@@ -753,7 +753,7 @@ class LoraTrainer:
                 (scale[done:done + n] * sign * change * pulled).sum().backward()
             changes.append(change.detach())
             done += n
-        moved = torch.cat(changes) if changes else befores
+        moved = torch.cat(changes)  # an anchor holds at least one prompt
         stats = {"anchor_rise": float(moved[:talk].mean())} if talk else {}
         if calls:
             stats["anchor_calls"] = float(moved[talk:].mean())
@@ -909,27 +909,19 @@ def _stackable(cache: Any) -> bool:
     return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
 
-def _stacked_cache(caches: Sequence[Any], length: int) -> Any:
-    """One cache of ``caches``' keys and values along the batch, each left-padded to ``length`` positions (None for
-    a prompt of one token: all padding); None when every one is None."""
+def _stacked_cache(caches: Sequence[Any]) -> Any:
+    """One cache of ``caches``' keys and values along the batch, each left-padded with zeros to the longest (None
+    for a prompt of one token: all padding); None when every one is None."""
     some = next((c for c in caches if c is not None), None)
     if some is None:
         return None
-    layers = []
-    for i, layer in enumerate(some.layers):
-        keys = [c.layers[i].keys if c is not None else layer.keys[:, :, :0] for c in caches]
-        values = [c.layers[i].values if c is not None else layer.values[:, :, :0] for c in caches]
-        layers.append((_left_padded(keys, length), _left_padded(values, length)))
-    return type(some)(layers)
 
+    def padded(name: str, i: int) -> torch.Tensor:  # [B, heads, length, dim] from each [1, heads, L_j, dim]
+        rows = [getattr(c.layers[i], name)[0] if c is not None else getattr(some.layers[i], name)[0, :, :0]
+                for c in caches]
+        return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
 
-def _left_padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
-    """[1, heads, L_i, dim] tensors as one [B, heads, length, dim], each padded with zeros before its positions."""
-    first = tensors[0]
-    stacked = first.new_zeros((len(tensors), first.shape[1], length, first.shape[3]))
-    for i, t in enumerate(tensors):
-        stacked[i, :, length - t.shape[2]:] = t[0]
-    return stacked
+    return type(some)([(padded("keys", i), padded("values", i)) for i in range(len(some.layers))])
 
 
 def _pick(distributions: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
