@@ -91,8 +91,7 @@ class _Openings:
     One at a time, a prompt's opening was a one-token forward and backward pass through every layer, nearly all of
     it per-call overhead, and a step read 48 chats and the drawn calls five times (its start and four passes): on one
     core of a Zen 3 EPYC, SmolLM2, 71 s a step one at a time, 27 s in batches (6 s of it stacking; 3 s since
-    the stack is padded by pad_sequence), the same
-    openings to 4e-5 nats; a whole step of F's setting 360 s against 318 s (``bench/anchor_batching.py``;
+    the stack is padded by pad_sequence), the same openings to 4e-5 nats; a whole step of F's setting 360 s against 318 s (``bench/anchor_batching.py``;
     bench/results/RUNS.md, stop 72)."""
 
     prompts: list[Sequence[int]]
