@@ -48,6 +48,7 @@ from whet.learner.prompt import split_tool_calls
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 CONTRASTS = 3  # other actions each teacher action is raised above, at most (:meth:`LoraTrainer._contrasts`)
+DECODE_BATCH = 8  # replies greedy decoding writes together (:meth:`LoraTrainer._decode`)
 OPENINGS_BATCH = 16  # anchored prompts whose reply's first token one forward pass reads (:class:`_Openings`)
 OPTIMIZER_STATE = "optimizer.pt"
 
@@ -98,6 +99,17 @@ class _Openings:
     cache: Any = None  # the stacked keys and values, [B, heads, L, dim] a layer
     mask: torch.Tensor | None = None  # [B, L + 1]
     length: int = 0  # L
+
+
+@dataclass
+class _Decoding:
+    """A reply greedy decoding goes on writing (:meth:`LoraTrainer._decode`): ``out`` so far, the keys and values
+    of its prompt and of all of ``out`` but the last token, ``length`` tokens in all, and its ``limit``."""
+
+    out: list[int]
+    cache: Any
+    limit: int
+    length: int
 
 
 class LoraTrainer:
@@ -310,7 +322,8 @@ class LoraTrainer:
         called ``add_note``: every candidate of two runs was rejected for "losing" that turn."""
         stops = stop_token_ids(self.tokenizer, self.model)
         guesses = guesses if guesses is not None else [None] * len(prompts)
-        actions = []
+        actions: list[list[int]] = []
+        going: list[_Decoding] = []  # replies that go on past their first token
         with torch.no_grad():
             start, shared = self._shared_prefix([tuple(p[:-1]) for p in prompts])
             for prompt, limit, guess in zip(prompts, max_new_tokens, guesses, strict=True):
@@ -328,13 +341,45 @@ class LoraTrainer:
                 out = [*guess[:held], picks[held]]
                 if held < len(guess):
                     cache.crop(held - len(guess))  # forget the guess from where it went wrong
-                while out[-1] not in stops and len(out) < limit:
-                    step = self.model(torch.tensor([[out[-1]]], device=self.device), **with_cache(cache),
-                                      use_cache=True, **self._keep(1))  # fmt: skip
-                    cache = cache_of(step)
-                    out.append(int(step.logits[0, -1].float().argmax()))
                 actions.append(out)
+                if out[-1] not in stops and len(out) < limit:
+                    going.append(_Decoding(out, cache, limit, len(prompt) + len(out) - 1))
+            together = all(_stackable(d.cache) for d in going)
+            for first in range(0, len(going), DECODE_BATCH if together else 1):
+                self._decode(going[first:first + (DECODE_BATCH if together else 1)], stops)
         return actions
+
+    def _decode(self, batch: Sequence[_Decoding], stops: set[int]) -> None:
+        """Greedy decoding of ``batch``'s replies in lockstep, one token each a forward pass, until each stops
+        or reaches its limit (its ``out`` grows in place). Their keys and values are stacked, each left-padded
+        to the longest and masked there, and each token runs at its own reply's position; a reply that is done
+        leaves the batch. One reply a pass is memory-bound on a CPU: SmolLM2 decoded 14 tokens/s for one
+        sequence and 66/s summed over 8 (issue #9)."""
+        live = list(batch)
+        if len(live) == 1:  # nothing to pad: no mask, the positions follow the cache
+            cache, mask = live[0].cache, None
+        else:
+            cache, width = _stacked_cache([d.cache for d in live]), max(d.length for d in live)
+            mask = torch.tensor([[0] * (width - d.length) + [1] * d.length for d in live], device=self.device)
+        for d in batch:
+            d.cache = None  # the stack holds them now
+        while live:
+            ids = torch.tensor([[d.out[-1]] for d in live], device=self.device)  # [B, 1]
+            padded: dict[str, torch.Tensor] = {}
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+                padded = {"attention_mask": mask,
+                          "position_ids": torch.tensor([[d.length] for d in live], device=self.device)}  # fmt: skip
+            step = self.model(ids, **with_cache(cache), use_cache=True, **padded, **self._keep(1))
+            cache = cache_of(step)
+            for d, token in zip(live, step.logits[:, -1].float().argmax(-1).tolist(), strict=True):
+                d.out.append(token)
+                d.length += 1
+            kept = [j for j, d in enumerate(live) if d.out[-1] not in stops and len(d.out) < d.limit]
+            if kept and len(kept) < len(live):
+                cache.batch_select_indices(torch.tensor(kept, device=self.device))
+                mask = mask[kept] if mask is not None else None
+            live = [live[j] for j in kept]
 
     def reply_gaps(self, prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]]) -> list[list[float]]:
         """For each reply read after its prompt, how much likelier each of its tokens is than the best other

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -1999,3 +2000,31 @@ def test_greedy_replies_are_the_same_whatever_guess_they_start_from(tiny_model, 
         ]
         for guesses in cases:
             assert trainer.greedy_actions(prompts, limits, guesses) == plain, guesses
+
+
+def test_greedy_replies_decoded_together_are_each_one_decoded_alone(tiny_model, hello_policy, monkeypatch):
+    """Replies of prompts of different lengths, decoded in lockstep (padded, masked, each at its own
+    positions; a reply that stops or reaches its limit leaves the batch), are the replies each prompt gets
+    alone. The tiny model's weights are drawn again, larger, so that its replies follow the whole prompt
+    and its positions (as drawn, it repeats the last token): checked to fail with the padding unmasked and
+    with every reply at the longest one's position."""
+    monkeypatch.setattr(trainer_module, "DECODE_BATCH", 2)  # batches of two, the last of one
+    policy, _ = hello_policy
+    hello = new_trainer(policy)
+    asked = [encode_turn(hello, q, "")[1] for q in ("Say hello.", "What time is it in Lisbon right now?", "Hi")]
+    alone = [hello.teacher_action(p, 12) for p in asked]
+    assert alone[0][-1] in stop_token_ids(hello.tokenizer, hello.model)  # "Hello!" stops before its limit
+    assert hello.greedy_actions(asked, [12] * 3) == alone
+
+    trainer = new_trainer(tiny_model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, weight in trainer.model.named_parameters():
+            if "lora_" not in name and weight.dim() == 2:
+                weight.normal_(0, 0.3)
+    draw = random.Random(0)
+    prompts = [[draw.randrange(100, len(trainer.tokenizer)) for _ in range(n)] for n in (3, 60, 9, 120, 25)]
+    limits = [12, 7, 9, 3, 10]
+    alone = [trainer.teacher_action(p, n) for p, n in zip(prompts, limits, strict=True)]
+    assert len({tuple(r) for r in alone}) == len(alone)
+    assert trainer.greedy_actions(prompts, limits) == alone
