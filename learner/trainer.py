@@ -547,7 +547,7 @@ class LoraTrainer:
                 else None
                 for s in samples
             ]
-            actions = [self._new_action(s) for s in samples] if acts else None
+            actions = self._new_actions(samples) if acts else None
             reference = None
             if getattr(self.objective, "kl_weight", 0.0) > 0:
                 with self.model.disable_adapter():
@@ -862,13 +862,14 @@ class LoraTrainer:
             total += float(loss.detach())
         return {"contrast_loss": total / count, "contrast_pairs": float(count)}
 
-    def _new_action(self, sample: Sample) -> list[int] | None:
-        """The hinted teacher's action for ``sample``, or None: no hint, or the teacher would do
-        what the student did (then the hint taught nothing to copy)."""
-        if not sample.teacher_prompt_ids:
-            return None
-        action = self.teacher_action(sample.teacher_prompt_ids, max(2 * len(sample.response_ids), 64))
-        return action if action != list(sample.response_ids) else None
+    def _new_actions(self, samples: Sequence[Sample]) -> list[list[int] | None]:
+        """The hinted teacher's action for each of ``samples``, or None: no hint, or the teacher would do
+        what the student did (then the hint taught nothing to copy). Decoded together (:meth:`greedy_actions`)."""
+        hinted = [s for s in samples if s.teacher_prompt_ids]
+        written = iter(self.greedy_actions([s.teacher_prompt_ids for s in hinted],
+                                           [max(2 * len(s.response_ids), 64) for s in hinted]))  # fmt: skip
+        actions = [next(written) if s.teacher_prompt_ids else None for s in samples]
+        return [a if a is not None and a != list(s.response_ids) else None for a, s in zip(actions, samples, strict=True)]
 
 
 def training_threads(configured: int | None) -> int:

@@ -371,7 +371,7 @@ def test_the_contrast_binds_each_value_to_its_own_request_where_the_likelihood_r
             samples.append(Sample(f"t{i}", prompt, wrong, [-2.0] * len(wrong), -1,
                                   teacher_prompt_ids=hinted_prompt_ids(trainer.tokenizer, messages, prompt, hint)))
         taught = {s.turn_id: a for s, a in zip(samples, actions, strict=True)}
-        trainer._new_action = lambda s, taught=taught: taught[s.turn_id]
+        trainer._new_actions = lambda these, taught=taught: [taught[s.turn_id] for s in these]
         before = margins(trainer, samples, actions)
         stats = trainer.step(samples, baseline=0.0)
         results[weight] = [after - start for after, start in zip(margins(trainer, samples, actions), before, strict=True)]
