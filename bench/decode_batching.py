@@ -15,7 +15,6 @@ import argparse
 import time
 
 from whet.config.settings import load_config
-from whet.learner import learner as learner_module
 from whet.learner import trainer as trainer_module
 from whet.learner.gate import load_regression_set
 from whet.learner.learner import rehearsal_path, self_distilled
@@ -35,7 +34,7 @@ with limited_threads(args.threads):
     trainer = LoraTrainer.load(args.model, learner.lora, objective_from_config(learner.objective), device="cpu")
     items = load_regression_set(rehearsal_path(learner.rehearsal.set or "bundled"), trainer.tokenizer)
     for mode, batch in (("together", together), ("one at a time", 1)):
-        trainer_module.DECODE_BATCH = learner_module.DECODE_BATCH = batch
+        trainer_module.DECODE_BATCH = batch
         started = time.perf_counter()
         out = self_distilled(trainer, items)
         seconds = time.perf_counter() - started

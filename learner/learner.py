@@ -95,7 +95,6 @@ from whet.learner.prompt import (
 )
 from whet.learner.registry import AdapterRegistry
 from whet.learner.trainer import (
-    DECODE_BATCH,
     Anchor,
     LoraTrainer,
     Sample,
@@ -1201,17 +1200,12 @@ def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]
     (greedy, before any training): rehearsal then keeps how this model already talks instead of
     teaching it the set's wording, which moved the gate's pinned small talk ("Hello!" fell 0.69
     nats/token in one step). Tool calls keep the set's text: the right call is the skill. The replies are
-    decoded :data:`DECODE_BATCH` together; ``tick``: called after each reply the model wrote (the set
-    holds dozens; a batch is seconds to a minute on one slow core)."""
-    out = [(prompt, list(response)) for prompt, response in items]
+    decoded together (:meth:`LoraTrainer.greedy_actions`, the prompts' shared prefix read once); ``tick``: called
+    after each reply the model wrote (the set holds dozens; a batch is seconds to a minute on one slow core)."""
     asked = [i for i, (_, response) in enumerate(items) if TOOL_CALL_OPEN not in trainer.tokenizer.decode(response)]
-    for first in range(0, len(asked), DECODE_BATCH):
-        these = asked[first:first + DECODE_BATCH]
-        for i, reply in zip(these, trainer.greedy_actions([items[i][0] for i in these], [max_tokens] * len(these)),
-                            strict=True):  # fmt: skip
-            out[i] = (items[i][0], reply)
-            if tick is not None:
-                tick()
+    written = dict(zip(asked, trainer.greedy_actions([items[i][0] for i in asked], [max_tokens] * len(asked), tick=tick),
+                       strict=True))  # fmt: skip
+    out = [(prompt, written.get(i, list(response))) for i, (prompt, response) in enumerate(items)]
     return [(prompt, response) for prompt, response in out if response]
 
 

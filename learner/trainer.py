@@ -306,7 +306,8 @@ class LoraTrainer:
         return self.greedy_actions([teacher_prompt_ids], [max_new_tokens])[0]
 
     def greedy_actions(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                       guesses: Sequence[Sequence[int] | None] | None = None) -> list[list[int]]:  # fmt: skip
+                       guesses: Sequence[Sequence[int] | None] | None = None,
+                       tick: Callable[[], None] | None = None) -> list[list[int]]:  # fmt: skip
         """:meth:`teacher_action` of each prompt, at most ``max_new_tokens[i]`` tokens for the i-th;
         the prefix the prompts share (system prompt and tool list) is read once for all of them.
 
@@ -318,7 +319,7 @@ class LoraTrainer:
         The replies that go on are decoded :data:`DECODE_BATCH` together (:meth:`_decode`), a batch as soon as
         that many are waiting, so that no more prompts' keys and values are held at once: the rehearsal set's
         self-distillation took 68.5 s that way against 180.8 s one reply at a time, the same replies (one core
-        of a Zen 4 EPYC, SmolLM2, ``bench/decode_batching.py``).
+        of a Zen 4 EPYC, SmolLM2, ``bench/decode_batching.py``). ``tick``: called as each reply is done.
 
         Decoding runs in the weights' own dtype, the one they serve in, never under ``lora.precision``'s
         bfloat16 autocast: the gate's pinned check asks what the served model would write, and a pinned
@@ -341,33 +342,36 @@ class LoraTrainer:
                 picks = step.logits[0, -(len(guess) + 1):].float().argmax(-1).tolist()
                 held = next((j for j, token in enumerate(guess) if picks[j] != token), len(guess))
                 if held == len(guess) and guess and (guess[-1] in stops or len(guess) >= limit):
-                    actions.append(guess)
-                    continue
-                out = [*guess[:held], picks[held]]
-                if held < len(guess):
-                    cache.crop(held - len(guess))  # forget the guess from where it went wrong
+                    out = guess  # the guess held to its end
+                else:
+                    out = [*guess[:held], picks[held]]
+                    if held < len(guess):
+                        cache.crop(held - len(guess))  # forget the guess from where it went wrong
                 actions.append(out)
-                if out[-1] not in stops and len(out) < limit:
-                    going.append(_Decoding(out, cache, limit, len(prompt) + len(out) - 1))
-                    if len(going) == DECODE_BATCH or not _stackable(cache):  # at most a batch's caches held
-                        self._decode(going, stops)
-                        going = []
+                if out[-1] in stops or len(out) >= limit:
+                    if tick is not None:
+                        tick()
+                    continue
+                going.append(_Decoding(out, cache, limit, len(prompt) + len(out) - 1))
+                if len(going) == DECODE_BATCH or not _stackable(cache):  # at most a batch's caches held
+                    self._decode(going, stops, tick)
+                    going = []
             if going:
-                self._decode(going, stops)
+                self._decode(going, stops, tick)
         return actions
 
-    def _decode(self, batch: Sequence[_Decoding], stops: set[int]) -> None:
+    def _decode(self, batch: Sequence[_Decoding], stops: set[int], tick: Callable[[], None] | None = None) -> None:
         """Greedy decoding of ``batch``'s replies in lockstep, one token each a forward pass, until each stops
         or reaches its limit (its ``out`` grows in place). Their keys and values are stacked, each left-padded
         to the longest and masked there, and each token runs at its own reply's position; a reply that is done
-        leaves the batch. One reply a pass is memory-bound on a CPU: SmolLM2 decoded 14 tokens/s for one
+        leaves the batch (``tick`` called for it). One reply a pass is memory-bound on a CPU: SmolLM2 decoded 14 tokens/s for one
         sequence and 66/s summed over 8 (issue #9)."""
         live = list(batch)
         if len(live) == 1:  # nothing to pad: no mask, the positions follow the cache
             cache, mask = live[0].cache, None
         else:
-            cache, width = _stacked_cache([d.cache for d in live]), max(d.length for d in live)
-            mask = torch.tensor([[0] * (width - d.length) + [1] * d.length for d in live], device=self.device)
+            cache = _stacked_cache([d.cache for d in live])
+            mask = _padding_mask([d.length for d in live], self.device)
         for d in batch:
             d.cache = None  # the stack holds them now
         while live:
@@ -383,6 +387,8 @@ class LoraTrainer:
                 d.out.append(token)
                 d.length += 1
             kept = [j for j, d in enumerate(live) if d.out[-1] not in stops and len(d.out) < d.limit]
+            for _ in range(len(live) - len(kept) if tick is not None else 0):
+                tick()
             if kept and len(kept) < len(live):
                 cache.batch_select_indices(torch.tensor(kept, device=self.device))
                 mask = mask[kept] if mask is not None else None
@@ -750,10 +756,8 @@ class LoraTrainer:
         with torch.no_grad():
             for start in range(0, len(prompts), OPENINGS_BATCH):
                 chunk, kept = prompts[start:start + OPENINGS_BATCH], caches[start:start + OPENINGS_BATCH]
-                length = max(len(p) - 1 for p in chunk)
-                stacked = _stacked_cache(kept)
-                mask = torch.tensor([[0] * (length + 1 - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-                batches.append(_Openings(list(chunk), stacked, mask, length))
+                mask = _padding_mask([len(p) for p in chunk], self.device)  # the stacked prompts and their last tokens
+                batches.append(_Openings(list(chunk), _stacked_cache(kept), mask, mask.shape[1] - 1))
         needed = {tuple(p[:-1]) for p in trained}
         for p in prompts:
             if tuple(p[:-1]) not in needed:
@@ -975,6 +979,12 @@ def _stacked_cache(caches: Sequence[Any]) -> Any:
         return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
 
     return type(some)([(padded("keys", i), padded("values", i)) for i in range(len(some.layers))])
+
+
+def _padding_mask(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[B, longest]: each row 0 on the left padding of a sequence ``lengths[i]`` long, 1 on its tokens."""
+    width = max(lengths)
+    return torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
 
 
 def _pick(distributions: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
