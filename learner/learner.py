@@ -203,6 +203,7 @@ class Learner:
         self._judging = anyio.Lock()
         self._training = anyio.Lock()
         self._wake = anyio.Event()
+        self._asked: set[str | None] = set()  # lineages whose waiting samples train at the next round (:meth:`train_now`)
 
     # -- running --------------------------------------------------------------
 
@@ -294,7 +295,7 @@ class Learner:
                 lineages[self._owner(user_id)] += n
             for owner, n in lineages.items():
                 need, backing_off = await self._need(owner)
-                if backing_off and n < need:
+                if backing_off and n < need and owner not in self._asked:
                     deferred += n
                 else:
                     waiting = True
@@ -367,13 +368,13 @@ class Learner:
                 reason=reason or verdict.reason,
                 judge=verdict.judge,
                 split=await self._split(turn),
-                trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self._trains(turn.user_id)
+                trainable=has_tokens and (verdict.score != 0 or verdict.hint is not None) and self.trains(turn.user_id)
                 and (self.config.train_corrections or not answers_correction(turn))
                 and (self.config.train_tool_answers or not _reads_tool_results(turn)),
             )
         )
 
-    def _trains(self, user_id: str) -> bool:
+    def trains(self, user_id: str) -> bool:
         """Whether ``user_id``'s turns may train weights: always their own adapter (user scope); the
         shared one (global scope) only when ``learner.trusted_users`` is unset or names them."""
         trusted = self.config.trusted_users
@@ -519,20 +520,36 @@ class Learner:
         """The lineage a user's verdict trains: the user's (per-user scope) or the global one (None)."""
         return user_id if self.config.scope == "user" else None
 
+    def train_now(self, user_id: str) -> str | None:
+        """Ask for ``user_id``'s lineage to train what it has waiting at the learner's next round, in one
+        step, without waiting for a full batch, its timeout or its backoff (``POST /v1/learning/train``:
+        "learn from what I said so far"). The round judges every turn closed before it first, so one step
+        takes everything the user sent before asking. Returns the lineage (None: the global one)."""
+        owner = self._owner(user_id)
+        self._asked.add(owner)
+        self._wake.set()
+        return owner
+
     async def train_ready(self, *, force: bool = False) -> list[str]:
         """Train one step for every lineage whose batch is ready (``force``: any waiting sample, backoff
-        or not). Returns the candidate versions made."""
+        or not). A lineage asked to train now (:meth:`train_now`) trains everything it has waiting, up to
+        the most a step ever takes (``batch_size * 2**backoff``). Returns the candidate versions made."""
         if self._make_trainer is None:
+            self._asked.clear()
             return []
         made = []
         async with self._training:
+            asked, self._asked = self._asked, set()  # taken before the store is read: asked later, trained next round
             waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
             owners = sorted({self._owner(j.user_id) for j, _ in waiting}, key=lambda u: u or "")
             for user_id in owners:
                 need, backing_off = await self._need(user_id)
+                now = user_id in asked
+                if now:
+                    need = self.config.batch_size * 2**self.config.backoff
                 batch = [(j, t) for j, t in waiting if self._owner(j.user_id) == user_id][:need]
                 age = time.time() - batch[0][0].created_at.timestamp()
-                if force or len(batch) >= need or (not backing_off and age >= self.config.batch_timeout_s):
+                if force or now or len(batch) >= need or (not backing_off and age >= self.config.batch_timeout_s):
                     made.append(await self._train_step(user_id, batch))
         return made
 

@@ -62,6 +62,7 @@ from whet.runtime.schemas import (
     SessionDetail,
     SessionSummary,
     ToolPublic,
+    TrainAck,
     invalid_text_at,
     refused_field,
 )
@@ -513,6 +514,25 @@ def _install_web_routes(app: FastAPI) -> None:
     async def learning(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> LearningView:
         status = await res.learner.status() if res.learner else None
         return await learning_view(res.store, res.config.learner.scope, status, _page_user(res, auth_user, user))
+
+    @app.post("/v1/learning/train", status_code=202, responses=errors(403, 409, 503))
+    async def train(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> TrainAck:
+        """Train what the user's lineage has waiting now, in one step, instead of at a full batch or its timeout."""
+        learner = res.learner
+        if learner is None:
+            raise ApiError(409, "this server runs no learner (learner.enabled is false; `whet learn` may run it elsewhere)",
+                           code="learner_off")  # fmt: skip
+        if not learner.config.train:
+            raise ApiError(409, "this server's learner trains no weights (learner.train is false): lessons are kept as "
+                           "they come", code="learner_not_training")  # fmt: skip
+        user_id = _page_user(res, auth_user, user)
+        if not learner.trains(user_id):
+            raise ApiError(403, f"user '{_echo(user_id)}' does not train the shared adapter (learner.trusted_users)",
+                           code="user_not_trusted")  # fmt: skip
+        owner = learner.train_now(user_id)
+        waiting = (await res.store.untrained_counts()).items()
+        count = sum(n for u, n in waiting if owner is None or u == owner)
+        return TrainAck(lineage="global" if owner is None else f"user:{owner}", waiting=count)
 
     @app.get("/v1/lessons", responses=errors(503))
     async def lessons(res: ResourcesDep, auth_user: AuthDep, user: str | None = None) -> list[LessonView]:

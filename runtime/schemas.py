@@ -489,6 +489,13 @@ class LearningView(BaseModel):
     lessons: list[LessonView]  # oldest first
 
 
+class TrainAck(BaseModel):
+    """``POST /v1/learning/train``: the step is asked for; it runs at the learner's next round."""
+
+    lineage: str  # "global", or "user:<id>" (learner.scope: user)
+    waiting: int  # trainable verdicts of that lineage no step has taken yet (what the step will train)
+
+
 class ApprovalDecision(Strict):
     """``POST /v1/approvals/{id}``: a person's decision on a held step."""
 

@@ -1281,6 +1281,42 @@ async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_s
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("scope", ["global", "user"])
+async def test_a_lineage_asked_to_train_now_trains_what_it_has_waiting_in_one_step_backoff_or_not(
+    tiny_model, tmp_path, store, monkeypatch, scope
+):
+    steps: list[int] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    learner = make_learner(learner_config(batch_size=2, batch_timeout_s=3600, backoff=2, scope=scope), store,
+                           MemoryBus(), tiny_model, tmp_path)  # fmt: skip
+    encoder = new_trainer(tiny_model)
+    asked = iter(range(100))
+
+    async def arrive(n: int, user: str = "alice") -> None:
+        for _ in range(n):
+            await judged_turn(store, encoder, f"What time is it in city {next(asked)}?", GOOD, +1, "train", user=user)
+
+    await arrive(3)
+    [version] = await learner.train_ready()  # a full batch
+    await store.update_adapter(version, status="rejected")  # the lineage backs off: 4 samples, no timeout
+    assert steps == [2] and (await learner.status())["deferred"] == 1
+    assert learner.train_now("alice") == (None if scope == "global" else "alice")
+    assert (await learner.status())["busy"] is True, "asked for: its waiting sample is work in hand"
+    await arrive(9)
+    await arrive(1, user="bob")  # another user's: their own lineage in user scope, alice's in global
+    [version] = await learner.train_ready()
+    assert steps == [2, 8], "everything waiting, up to batch_size * 2**backoff"
+    await store.update_adapter(version, status="rejected")
+    assert await learner.train_ready() == [], "asked once: what is left waits as before"
+    left = 3 if scope == "global" else 2
+    status = await learner.status()
+    assert (status["busy"], status["deferred"]) == (scope == "user", left), "bob's own lineage has a batch's timeout"
+    learner.train_now("alice")
+    made = await learner.train_ready()
+    assert steps[2:] == ([3] if scope == "global" else [2]) and len(made) == 1, "only the asking user's lineage"
+
+
+@pytest.mark.anyio
 async def test_a_hint_that_names_nothing_trains_its_sample_on_the_score_alone(tiny_model, tmp_path, store, monkeypatch):
     # "The user had to ask again: ..." and "The user said it was wrong: ..." say only that the action was
     # wrong: a teacher shown them writes another guess, which the student would learn as the right action

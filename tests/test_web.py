@@ -100,3 +100,29 @@ async def test_deleting_a_lesson_removes_it_from_the_store_and_the_index(tmp_pat
         assert [hit.text for hit in res.index.search("bob", "home", 4)] == ["bob's home is Tokyo"]
         assert (await http.get("/v1/lessons", headers=ALICE)).json() == []
         assert (await http.delete(f"/v1/lessons/{mine.id}", headers=ALICE)).status_code == 404
+
+
+async def test_a_user_asks_for_a_training_step_now_and_is_told_why_when_none_can_run(tmp_path):
+    async with serve(mkdir(tmp_path / "off"), ScriptedBackend([]), learner={"enabled": False}, **KEYS) as (http, _):
+        refused = await http.post("/v1/learning/train", headers=ALICE)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "learner_off"
+        assert "learner.enabled" in refused.json()["error"]["message"]
+    async with serve(mkdir(tmp_path / "lessons"), ScriptedBackend([]), learner={"train": False}, **KEYS) as (http, _):
+        refused = await http.post("/v1/learning/train", headers=ALICE)
+        assert refused.status_code == 409 and "learner.train is false" in refused.json()["error"]["message"]
+    shared = {"scope": "global", "trusted_users": ["alice"]}
+    async with serve(mkdir(tmp_path / "shared"), ScriptedBackend([]), learner=shared, **KEYS) as (http, res):
+        assert (await http.post("/v1/learning/train")).status_code == 401
+        refused = await http.post("/v1/learning/train", headers=BOB)
+        assert refused.status_code == 403 and "learner.trusted_users" in refused.json()["error"]["message"]
+        assert res.learner._asked == set(), "an untrusted user's ask is not taken"
+        asked = await http.post("/v1/learning/train", headers=ALICE)
+        assert asked.status_code == 202 and asked.json() == {"lineage": "global", "waiting": 0}
+    async with serve(mkdir(tmp_path / "own"), ScriptedBackend([]), **KEYS) as (http, res):
+        asked = await http.post("/v1/learning/train", headers=BOB)
+        assert asked.status_code == 202 and asked.json() == {"lineage": "user:bob", "waiting": 0}
+
+
+def mkdir(path):
+    path.mkdir()
+    return path
