@@ -83,6 +83,7 @@ class FakeServer:
     def __init__(self, needed: int) -> None:
         self.needed, self.replies, self.busy = needed, 0, False
         self.sessions: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        self.asked: list[int] = []  # the interactions served when a step was asked for (POST /v1/learning/train)
 
     def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
         evaluating = params.get("temperature") == 0
@@ -105,6 +106,10 @@ class FakeServer:
     def learning(self) -> dict[str, Any]:
         return {"adapters": [{"id": "global-0001", "seconds": {"train": 1.5, "pinned_after": 0.5}},
                              {"id": "global-0002", "seconds": {"train": 2.0}}]}  # fmt: skip
+
+    def train(self) -> None:
+        self.asked.append(sum(len(s) >= 2 for s in self.sessions.values()))
+        self.busy = True  # the step it asked for: evaluating now would fail
 
 
 def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never_learns_from_evaluations(tmp_path):
@@ -134,6 +139,17 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     assert [[n for n, _ in s] for s in trained] == [[1, 3, 5]] * 2 + [[1, 3]] * 4
     assert len(evaluated) == 2 * 3 + 2 * 2 + 2 * 2
     assert all(n == 1 and params == {"temperature": 0, "store": False} for (n, params), in evaluated)
+
+
+def test_a_weights_arm_asks_for_a_step_at_each_checkpoint_and_waits_for_it_before_measuring(tmp_path):
+    plan = make_plan(tmp_path)
+    tasks = Tasks([FakeTask(f"t{i}") for i in range(6)], [FakeTask("h0")], [FakeTask("g0")], [])
+    lora, memory = FakeServer(needed=3), FakeServer(needed=3)
+    result = run_arm("lora", lora, tasks, FakeUser(), plan, settle_s=0, advance=lambda n: None)
+    assert lora.asked == [4, 6]  # after the interactions of each block, not before the first measure
+    assert [p["interactions"] for p in result.curve] == [0, 4, 6]
+    run_arm("memory", memory, tasks, FakeUser(), plan, settle_s=0, advance=lambda n: None)
+    assert memory.asked == []  # lessons only: no weights to train
 
 
 def test_a_busy_learner_without_progress_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):
@@ -190,6 +206,9 @@ class StubArm:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "adapter": None, "learner": None}
+
+    def train(self) -> None:
+        pass  # no learner behind a stub: nothing waits
 
 
 def serve_stubs(monkeypatch: pytest.MonkeyPatch, arms: dict[str, StubArm]) -> list[str]:
@@ -415,7 +434,7 @@ def test_each_arm_serves_the_shared_model_from_its_own_store_with_only_its_learn
                config.learner.enabled and config.learner.lessons)  # fmt: skip
     assert learned == {"static": (False, False, False), "memory": (True, False, True), "lora": (True, True, False),
                        "memory_lora": (True, True, True)}[arm]  # fmt: skip
-    assert (config.learner.batch_size, config.learner.batch_timeout_s, config.learner.poll_s) == (8, 1, 0.5)
+    assert (config.learner.batch_size, config.learner.batch_timeout_s, config.learner.poll_s) == (32, 900, 0.5)
 
 
 # ----------------------------------------------------------------------------- the learner's idle signal

@@ -60,9 +60,14 @@ ARM_LEARNING = {
     "memory_lora": (True, True, True),
 }
 ARMS = tuple(ARM_LEARNING)
-# The learner as the bench runs it: small batches, leftovers flushed a second later, a
-# store catch-up twice a second. Every other learner setting comes from the base config.
-LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 8, "batch_timeout_s": 1, "poll_s": 0.5}
+# The learner as the bench runs it: a weights arm asks for a step at each checkpoint (POST
+# /v1/learning/train), which trains every verdict of the interactions since the last in one step;
+# no batch fills or times out before that (a batch as large as a block of interactions gives; a
+# timeout longer than a block takes on a slow CPU, which only a lost ask would reach); a store
+# catch-up twice a second. Every other learner setting comes from the base config.
+# Why: with batches of 8 flushed a second after their first sample, a block's ~20 verdicts
+# went in 3-4 steps of 5.6-8.3 min each, whatever their size (run EW, stop 73).
+LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 32, "batch_timeout_s": 900, "poll_s": 0.5}
 # A few dozen interactions give about a dozen optimizer steps: the LoRA learning rate is raised
 # from the default (tuned for billion-parameter models) to one that moves the demo policy. At 5e-4
 # a step turned pinned chats into tool calls and the gate rejected it (bench/results/RUNS.md, stop 34),
@@ -110,6 +115,10 @@ class ArmClient(Protocol):
 
     def learning(self) -> dict[str, Any]:
         """The server's ``/v1/learning`` body for the bench's user (its adapters, each step's seconds)."""
+        ...
+
+    def train(self) -> None:
+        """Ask the learner to train what the bench's user has waiting now, in one step."""
         ...
 
 
@@ -301,7 +310,7 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
 
     started = time.perf_counter()
     result = ArmResult(name)
-    learns = ARM_LEARNING[name][0]
+    learns, trains = ARM_LEARNING[name][:2]
     checkpoints = set(plan.checkpoints())
     wait_idle(client, settle_s, plan.idle_timeout_s, stop)
     result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, tick)
@@ -311,6 +320,8 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
         interact(client, task, user, seed=plan.seed * 1_000_000 + i)
         tick(1)
         if i in checkpoints:
+            if trains:
+                client.train()
             wait_idle(client, settle_s, plan.idle_timeout_s, stop)
             checkpoint(i)
     if not learns:
@@ -452,6 +463,9 @@ class HttpArmClient:
 
     def learning(self) -> dict[str, Any]:
         return _body(self.http.get("/v1/learning", params={"user": self.user}))
+
+    def train(self) -> None:
+        _body(self.http.post("/v1/learning/train", params={"user": self.user}))
 
 
 def _body(response: httpx.Response) -> Any:
