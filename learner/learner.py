@@ -523,8 +523,9 @@ class Learner:
     def train_now(self, user_id: str) -> str | None:
         """Ask for ``user_id``'s lineage to train what it has waiting at the learner's next round, in one
         step, without waiting for a full batch, its timeout or its backoff (``POST /v1/learning/train``:
-        "learn from what I said so far"). The round judges every turn closed before it first, so one step
-        takes everything the user sent before asking. Returns the lineage (None: the global one)."""
+        "learn from what I said so far"). That step first judges every turn closed before it, and waits for a
+        verdict being made, so it takes everything the user sent before asking. Returns the lineage (None: the
+        global one)."""
         owner = self._owner(user_id)
         self._asked.add(owner)
         self._wake.set()
@@ -540,6 +541,11 @@ class Learner:
         made = []
         async with self._training:
             asked, self._asked = self._asked, set()  # taken before the store is read: asked later, trained next round
+            if asked:  # every turn closed before the ask judged first, its credit and lessons done (run EZ: a round
+                # whose catch-up began before the ask read the samples while the ask's last verdict was being made)
+                await self.catch_up()
+                async with self._judging:  # a verdict the bus's follower is making now
+                    pass
             waiting = await self.store.samples(split="train", untrained=True, limit=100_000)
             owners = sorted({self._owner(j.user_id) for j, _ in waiting}, key=lambda u: u or "")
             for user_id in owners:

@@ -988,8 +988,9 @@ def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Pat
 
 async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer: str, score: int, split: str,
                       user: str = "alice", sampled_at: float | None = None, hint: str | None = None,
-                      tool_result: str | None = None) -> str:  # fmt: skip
-    """A recorded, closed turn with a verdict written directly (the split chosen by the test).
+                      tool_result: str | None = None, judged: bool = True) -> str:  # fmt: skip
+    """A recorded, closed turn with a verdict written directly (the split chosen by the test; ``judged``
+    false: none, the learner's judge gives it).
     ``sampled_at``: the log-prob the engine recorded for every response token (default: the
     encoder's own, i.e. an on-policy turn). ``tool_result``: the recorded prompt ends with it, as the
     step after a tool call's does (its token ids stay the question's)."""
@@ -1007,6 +1008,8 @@ async def judged_turn(store: Store, encoder: LoraTrainer, question: str, answer:
         response_token_ids=response, response_logprobs=behaviour,
     ))  # fmt: skip
     await store.close_turn(turn.id, "feedback", {"score": score, "text": None})
+    if not judged:
+        return turn.id
     await store.save_judgment(Judgment(turn_id=turn.id, user_id=user, request_id=turn.request_id, score=score,
                                        hint=hint, reason="test", judge="test", split=split, trainable=True))  # fmt: skip
     return turn.id
@@ -1314,6 +1317,38 @@ async def test_a_lineage_asked_to_train_now_trains_what_it_has_waiting_in_one_st
     learner.train_now("alice")
     made = await learner.train_ready()
     assert steps[2:] == ([3] if scope == "global" else [2]) and len(made) == 1, "only the asking user's lineage"
+
+
+@pytest.mark.anyio
+async def test_a_step_asked_for_takes_the_verdict_being_made_when_it_was_asked(tiny_model, tmp_path, store, monkeypatch):
+    steps: list[int] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    learner = make_learner(learner_config(batch_size=8), store, MemoryBus(), tiny_model, tmp_path)
+    encoder = new_trainer(tiny_model)
+    await judged_turn(store, encoder, "What time is it?", GOOD, +1, "train")
+    last = await judged_turn(store, encoder, "Time now?", GOOD, +1, "train", judged=False)
+    rules, release = learner.judge, anyio.Event()
+
+    class Slow:  # the judge of the bus's follower, mid-verdict when the step is asked for (a lesson check: ~30 s)
+        async def judge(self, *args: object) -> object:
+            await release.wait()
+            return await rules.judge(*args)
+
+    learner.judge = Slow()
+
+    async def released() -> None:
+        await anyio.sleep(0.3)
+        release.set()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(learner.judge_turn, last)
+            await anyio.sleep(0.05)
+            learner.train_now("alice")
+            tg.start_soon(released)
+            [version] = await learner.train_ready()
+    assert steps == [2], "the ask came after the last turn closed: its verdict is in the step"
+    assert (await store.get_judgment(last)).trained_in == version
 
 
 @pytest.mark.anyio
