@@ -556,7 +556,12 @@ class Learner:
                 batch = [(j, t) for j, t in waiting if self._owner(j.user_id) == user_id][:need]
                 age = time.time() - batch[0][0].created_at.timestamp()
                 if force or now or len(batch) >= need or (not backing_off and age >= self.config.batch_timeout_s):
-                    made.append(await self._train_step(user_id, batch))
+                    try:
+                        made.append(await self._train_step(user_id, batch))
+                    except BaseException:  # the round is retried: an ask whose step failed stays asked
+                        self._asked |= asked
+                        raise
+                    asked.discard(user_id)
         return made
 
     async def _need(self, owner: str | None) -> tuple[int, bool]:

@@ -1320,6 +1320,30 @@ async def test_a_lineage_asked_to_train_now_trains_what_it_has_waiting_in_one_st
 
 
 @pytest.mark.anyio
+async def test_an_asked_step_that_fails_is_still_asked_at_the_next_round(tiny_model, tmp_path, store, monkeypatch):
+    steps: list[int] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    learner = make_learner(learner_config(batch_size=8), store, MemoryBus(), tiny_model, tmp_path)
+    encoder = new_trainer(tiny_model)
+    for question in QUESTIONS[:3]:
+        await judged_turn(store, encoder, question, GOOD, +1, "train")
+    real, failures = learner._train_step, iter([OSError("the store went away")])
+
+    async def flaky(*args: object) -> str:
+        if (error := next(failures, None)) is not None:
+            raise error
+        return await real(*args)
+
+    monkeypatch.setattr(learner, "_train_step", flaky)
+    learner.train_now("alice")
+    with pytest.raises(OSError):
+        await learner.train_ready()
+    assert (await learner.status())["busy"] is True
+    [_] = await learner.train_ready()
+    assert steps == [3], "the ask outlived the failed round"
+
+
+@pytest.mark.anyio
 async def test_a_step_asked_for_takes_the_verdict_being_made_when_it_was_asked(tiny_model, tmp_path, store, monkeypatch):
     steps: list[int] = []
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
