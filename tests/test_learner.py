@@ -978,6 +978,13 @@ def learner_config(**overrides) -> LearnerConfig:
     return LearnerConfig.model_validate({**base, **overrides})
 
 
+def counted_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Training steps that only note how many samples each took (in the list returned)."""
+    steps: list[int] = []
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    return steps
+
+
 def make_learner(config: LearnerConfig, store: Store, bus: MemoryBus, model: Path, root: Path, **kw) -> Learner:
     def trainer() -> LoraTrainer:
         objective = objective_from_config(config.objective)
@@ -1236,8 +1243,7 @@ async def test_replay_spread_takes_the_newest_sample_of_each_hint_before_a_secon
 async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_samples_each_time_unless_forced(
     tiny_model, tmp_path, store, monkeypatch
 ):
-    steps: list[int] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    steps = counted_steps(monkeypatch)
     learner = make_learner(learner_config(batch_size=2, batch_timeout_s=0.01, backoff=2), store, MemoryBus(),
                            tiny_model, tmp_path)  # fmt: skip
     encoder = new_trainer(tiny_model)
@@ -1288,8 +1294,7 @@ async def test_a_lineage_whose_candidates_were_turned_away_waits_for_twice_the_s
 async def test_a_lineage_asked_to_train_now_trains_what_it_has_waiting_in_one_step_backoff_or_not(
     tiny_model, tmp_path, store, monkeypatch, scope
 ):
-    steps: list[int] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    steps = counted_steps(monkeypatch)
     learner = make_learner(learner_config(batch_size=2, batch_timeout_s=3600, backoff=2, scope=scope), store,
                            MemoryBus(), tiny_model, tmp_path)  # fmt: skip
     encoder = new_trainer(tiny_model)
@@ -1321,8 +1326,7 @@ async def test_a_lineage_asked_to_train_now_trains_what_it_has_waiting_in_one_st
 
 @pytest.mark.anyio
 async def test_an_asked_step_that_fails_is_still_asked_at_the_next_round(tiny_model, tmp_path, store, monkeypatch):
-    steps: list[int] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    steps = counted_steps(monkeypatch)
     learner = make_learner(learner_config(batch_size=8), store, MemoryBus(), tiny_model, tmp_path)
     encoder = new_trainer(tiny_model)
     for question in QUESTIONS[:3]:
@@ -1345,8 +1349,7 @@ async def test_an_asked_step_that_fails_is_still_asked_at_the_next_round(tiny_mo
 
 @pytest.mark.anyio
 async def test_a_step_asked_for_takes_the_verdict_being_made_when_it_was_asked(tiny_model, tmp_path, store, monkeypatch):
-    steps: list[int] = []
-    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: steps.append(len(samples)) or {})
+    steps = counted_steps(monkeypatch)
     learner = make_learner(learner_config(batch_size=8), store, MemoryBus(), tiny_model, tmp_path)
     encoder = new_trainer(tiny_model)
     await judged_turn(store, encoder, "What time is it?", GOOD, +1, "train")
