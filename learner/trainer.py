@@ -51,6 +51,7 @@ CONTRASTS = 3  # other actions each teacher action is raised above, at most (:me
 DECODE_BATCH = 8  # replies greedy decoding writes together (:meth:`LoraTrainer._decode`)
 OPENINGS_BATCH = 16  # anchored prompts whose reply's first token one forward pass reads (:class:`_Openings`)
 OPTIMIZER_STATE = "optimizer.pt"
+REPLY_BATCH = 8  # replies one training forward pass reads against their prompts' stacked keys and values (:meth:`LoraTrainer._reply_batches`)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class _Openings:
     One at a time, a prompt's opening was a one-token forward and backward pass through every layer, nearly all of
     it per-call overhead, and a step read 48 chats and the drawn calls five times (its start and four passes): on one
     core of a Zen 3 EPYC, SmolLM2, 71 s a step one at a time, 27 s in batches (6 s of it stacking; 3 s since
-    the stack is padded by pad_sequence), the same openings to 4e-5 nats; a whole step of F's setting 360 s against 318 s (``bench/anchor_batching.py``;
+    the stack is padded by pad_sequence), the same openings to 4e-5 nats; a whole step of F's setting 360 s against 318 s (``bench/step_batching.py --part openings``;
     bench/results/RUNS.md, stop 72)."""
 
     prompts: list[Sequence[int]]
@@ -299,6 +300,38 @@ class LoraTrainer:
     def response_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
         """log p(response_t | prompt, response_<t) under the current adapter, [T]; grad follows torch's mode."""
         return _pick(self.response_distributions(prompt_ids, response_ids), response_ids)  # [T]
+
+    def _reply_batches(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]
+                       ) -> Iterator[tuple[int, list[torch.Tensor]]]:  # fmt: skip
+        """:meth:`response_distributions` of each (prompt, response) of ``items``, :data:`REPLY_BATCH` at a time:
+        (the index of the batch's first item, each of its items' [T, V]); grad follows torch's mode, and a caller
+        that backpropagates a batch before asking for the next holds one batch's graph at a time.
+
+        Inside a step, where each prompt's keys and values are kept (:meth:`_prompt_caches`), a batch's are
+        stacked, each left-padded to the longest (:func:`_stacked_cache`), and its replies, right-padded to the
+        longest, run in one forward pass at their own positions: the padding is masked on the left, and a
+        reply's tokens never see the padding on its right, which comes after them. One reply at a time, a pass
+        was a few tens of tokens through every layer and the vocabulary, mostly per-call overhead on a CPU, and a
+        step read each sample twice and each rehearsal item once a pass. Elsewhere (no kept caches,
+        ``lora.train_prompt``, a model whose cache is not of plain layers) one item at a time, as before."""
+        for start in range(0, len(items), REPLY_BATCH):
+            chunk = items[start:start + REPLY_BATCH]
+            caches = [self._step_caches.get(tuple(p[:-1])) if len(p) > 1 else None for p, _ in chunk]
+            if (len(chunk) < 2 or self._step_prefix is not None
+                    or any(c is None or not _stackable(c) for c in caches)):  # fmt: skip
+                yield start, [self.response_distributions(p, r) for p, r in chunk]
+                continue
+            lengths, width = [len(p) - 1 for p, _ in chunk], max(len(r) for _, r in chunk)
+            rows = [[p[-1], *r[:-1]] for p, r in chunk]  # token i predicts i + 1
+            past = _padding_mask(lengths, self.device)  # [B, L]: the stacked prompts' left padding
+            ahead = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], device=self.device)
+            ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)  # [B, W]
+            positions = torch.tensor([[n + t for t in range(width)] for n in lengths], device=self.device)
+            with self._autocast():
+                logits = self.model(ids, **with_cache(_stacked_cache(caches)), use_cache=True,
+                                    attention_mask=torch.cat([past, ahead], dim=1), position_ids=positions).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [B, W, V]
+            yield start, [logp[j, :len(r)] for j, (_, r) in enumerate(chunk)]
 
     def teacher_action(self, teacher_prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The action the policy as it is now takes, greedy, from the hinted prompt: its token ids,
@@ -585,14 +618,15 @@ class LoraTrainer:
         to them is then carried into the adapter one sample at a time (:meth:`_carry`), each graph
         built, backpropagated and freed in turn, and rehearsal likewise (:meth:`_rehearse`): the
         same gradient for one more forward pass per sample, without gradients (SmolLM2, a pass of
-        8 samples and 16 rehearsal items: +1.3 GB at its peak against +8.7 GB, 2% slower)."""
+        8 samples and 16 rehearsal items: +1.3 GB at its peak against +8.7 GB, 2% slower). Inside a step
+        both read :data:`REPLY_BATCH` samples a forward pass (:meth:`_reply_batches`), one batch's graph
+        alive at a time."""
         self.model.train()
         try:
             with torch.no_grad():
-                student = [self.response_distributions(s.prompt_ids, s.response_ids).requires_grad_() for s in samples]
-                learnt = None if actions is None else [
-                    (self.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1, device=self.device)).requires_grad_()
-                    for s, a in zip(samples, actions, strict=True)]  # fmt: skip
+                student = [d.clone().requires_grad_() for _, batch in
+                           self._reply_batches([(s.prompt_ids, s.response_ids) for s in samples]) for d in batch]  # fmt: skip
+                learnt = None if actions is None else self._action_leaves(samples, actions)
             loss, stats = self.objective.loss(self._token_batch(samples, baseline, teacher, actions, reference, full,
                                                                 student, learnt))  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
@@ -669,24 +703,36 @@ class LoraTrainer:
                                      for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
         return batch
 
+    def _action_leaves(self, samples: Sequence[Sample], actions: Sequence[list[int] | None]) -> list[torch.Tensor]:
+        """Each teacher action's [A] log-probs on its sample's prompt under the adapter as it is now, as leaves
+        that take a gradient (a zero, [1], for a sample without one). Call it without gradients."""
+        acted = [(s.prompt_ids, a) for s, a in zip(samples, actions, strict=True) if a]
+        logps = []
+        for start, batch in self._reply_batches(acted):
+            logps += [_pick(d, a).clone() for d, (_, a) in zip(batch, acted[start:start + len(batch)], strict=True)]
+        read = iter(logps)
+        return [(next(read) if a else torch.zeros(1, device=self.device)).requires_grad_() for a in actions]
+
     def _carry(self, samples: Sequence[Sample], actions: list[list[int] | None] | None, student: list[torch.Tensor],
                learnt: list[torch.Tensor] | None) -> None:  # fmt: skip
         """Backpropagates the gradient the objective left on its leaves (``student``, ``learnt``) into the
-        adapter, one sample's forward pass and graph at a time; a leaf the loss did not reach is skipped."""
-        for s, leaf in zip(samples, student, strict=True):
-            if leaf.grad is not None and bool(leaf.grad.any()):
-                self.response_distributions(s.prompt_ids, s.response_ids).backward(leaf.grad)
-        if actions is None or learnt is None:
-            return
-        for s, a, leaf in zip(samples, actions, learnt, strict=True):
-            if a and leaf.grad is not None and bool(leaf.grad.any()):
-                self.response_logprobs(s.prompt_ids, a).backward(leaf.grad)
+        adapter, a batch of forward passes and its graph at a time (:meth:`_reply_batches`); a leaf the loss
+        did not reach is skipped."""
+        reached = [((s.prompt_ids, s.response_ids), leaf.grad) for s, leaf in zip(samples, student, strict=True)
+                   if leaf.grad is not None and bool(leaf.grad.any())]  # fmt: skip
+        if actions is not None and learnt is not None:
+            reached += [((s.prompt_ids, a), leaf.grad) for s, a, leaf in zip(samples, actions, learnt, strict=True)
+                        if a and leaf.grad is not None and bool(leaf.grad.any())]  # fmt: skip
+        for start, batch in self._reply_batches([item for item, _ in reached]):
+            carried = zip(batch, reached[start:start + len(batch)], strict=True)
+            # a sample's leaf is its [T, V] distributions, an action's its [A] log-probs of the action's tokens
+            sum((d if g.dim() == 2 else _pick(d, r)).mul(g).sum() for d, ((_, r), g) in carried).backward()
 
     def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float,
                   first: float = 0.0) -> tuple[float, float]:  # fmt: skip
         """Adds to the gradients ``weight`` times the gradient of the items' token-mean negative
-        log-likelihood, one item at a time, and ``first`` times the gradient of their first tokens' mean
-        negative log-likelihood; inside a step that holds them (:meth:`_holding`), also the held weight times
+        log-likelihood, a batch of items at a time (:meth:`_reply_batches`), and ``first`` times the gradient
+        of their first tokens' mean negative log-likelihood; inside a step that holds them (:meth:`_holding`), also the held weight times
         the gradient of the held items' token-mean KL(base || adapter) along their replies. Returns the two
         means (the second 0 where none is held: outside a step, as for :meth:`repair`'s chats).
 
@@ -699,9 +745,9 @@ class LoraTrainer:
         same kinds, whose replies a step moves through the rest of the distribution. The divergence holds all
         of it, and is 0, with no gradient, where the adapter still agrees with the base model.
 
-        The means over all the items' tokens are sums of one term per item, so each item's graph is
-        built, backpropagated and freed before the next: one rehearsal item's activations (its response
-        against its prompt's keys and values, and its [T, V] distributions) are alive at a time, not
+        The means over all the items' tokens are sums of one term per item, so each batch's graph is
+        built, backpropagated and freed before the next: one batch's activations (its responses
+        against their prompts' keys and values, and their [T, V] distributions) are alive at a time, not
         every item's at once beside the samples'. The gradient is the same. Both terms read the item's one
         forward pass: with a pass of its own for the divergence, run DN's weights steps trained for 264 s on
         average; with one, run DP's for 178 s at the same setting (bench/results/RUNS.md, stops 59-60; the
@@ -710,16 +756,18 @@ class LoraTrainer:
         bases = [self._base_dists.get((tuple(p), tuple(r))) for p, r in items]
         held = sum(len(r) for (_, r), base in zip(items, bases, strict=True) if base is not None)
         total = divergence = 0.0
-        for (prompt, response), base in zip(items, bases, strict=True):
-            dists = self.response_distributions(prompt, response)  # [T, V]
-            logp = _pick(dists, response)  # [T]
-            loss = -weight * logp.sum() / tokens - first * logp[0] / len(items)
-            if base is not None:
-                kl = (base.exp() * (base - dists)).sum()  # []
-                loss = loss + self._base_weight * kl / held
-                divergence += float(kl.detach())
+        for start, batch in self._reply_batches(items):
+            loss = torch.zeros((), device=self.device)
+            end = start + len(batch)
+            for dists, (_, response), base in zip(batch, items[start:end], bases[start:end], strict=True):  # [T, V]
+                logp = _pick(dists, response)  # [T]
+                loss = loss - weight * logp.sum() / tokens - first * logp[0] / len(items)
+                if base is not None:
+                    kl = (base.exp() * (base - dists)).sum()  # []
+                    loss = loss + self._base_weight * kl / held
+                    divergence += float(kl.detach())
+                total -= float(logp.detach().sum())
             loss.backward()
-            total -= float(logp.detach().sum())
         return total / tokens, divergence / held if held else 0.0
 
     @contextmanager
@@ -731,7 +779,8 @@ class LoraTrainer:
         vocabulary)."""
         if items:
             with torch.no_grad(), self.model.disable_adapter(), self._reusing_prompts([p for p, _ in items]):
-                self._base_dists = {(tuple(p), tuple(r)): self.response_distributions(p, r) for p, r in items}
+                read = [d.clone() for _, batch in self._reply_batches(items) for d in batch]
+            self._base_dists = {(tuple(p), tuple(r)): d for (p, r), d in zip(items, read, strict=True)}
             self._base_weight = weight
         try:
             yield
@@ -851,7 +900,7 @@ class LoraTrainer:
         log-probability of the teacher action's token where the two first differ, minus the other's token
         there, on the sample's own prompt (no hint). The two share what comes before that token, so one forward
         pass of the teacher action reads both, and it is where greedy decoding chooses between them. One
-        sample's graph at a time.
+        batch's graph at a time (:meth:`_reply_batches`).
 
         Why: a step that teaches "back home" -> Lisbon and "where Mum is" -> Sydney, on each action's likelihood
         alone, moves both cities up for every request of the tool (the shared direction is the larger): after a
@@ -861,14 +910,14 @@ class LoraTrainer:
         Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
         weight = self._contrast_weight
         count = sum(len(others) for _, others in contrasts)
+        read = [(samples[i].prompt_ids, actions[i] or []) for i, _ in contrasts]
         total = 0.0
-        for i, others in contrasts:
-            action = actions[i]
-            assert action is not None
-            logp = self.response_distributions(samples[i].prompt_ids, action)  # [A, V]
-            loss = logp.new_zeros(())
-            for at, token in others:
-                loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
+        for start, batch in self._reply_batches(read):
+            loss = torch.zeros((), device=self.device)
+            for logp, (_, action), (_, others) in zip(batch, read[start:start + len(batch)],
+                                                       contrasts[start:start + len(batch)], strict=True):  # [A, V]
+                for at, token in others:
+                    loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
             (weight * loss / count).backward()
             total += float(loss.detach())
         return {"contrast_loss": total / count, "contrast_pairs": float(count)}

@@ -6,6 +6,7 @@ import json
 import os
 import random
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import anyio
@@ -126,11 +127,16 @@ def adapter_with_effect(trainer: LoraTrainer) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
+@pytest.mark.parametrize("in_step", [False, True])
 @pytest.mark.parametrize("hindsight,kl_weight", [("action", 0.0), ("token", 0.1), ("distribution", 0.0)])
 def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a_time_unchanged(tiny_model, hindsight,
-                                                                                               kl_weight):  # fmt: skip
+                                                                                               kl_weight, in_step,
+                                                                                               monkeypatch):  # fmt: skip
     """The objective's gradient with respect to its inputs, carried sample by sample (one graph alive at
-    a time), is the gradient of the objective over every sample's graph at once."""
+    a time), is the gradient of the objective over every sample's graph at once. ``in_step``: inside a step,
+    where the prompts' keys and values are kept, the samples (and the teacher's actions) are read and carried in
+    batches (:meth:`LoraTrainer._reply_batches`; two here, the last of one sample): the same gradient."""
+    monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)
     objective = build_objective("combined", hindsight=hindsight, kl_weight=kl_weight, rl_negative_weight=0.25)
     trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"max_grad_norm": 1e9}), objective, device="cpu")
     adapter_with_effect(trainer)
@@ -153,11 +159,13 @@ def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a
     loss.backward()
     expected = [p.grad.clone() for p in params]
 
-    stats = trainer._pass(samples, 0.0, teacher, actions, reference, full)  # zeroes the gradients first
+    with trainer._reusing_prompts([s.prompt_ids for s in samples]) if in_step else nullcontext():
+        assert bool(trainer._step_caches) == in_step
+        stats = trainer._pass(samples, 0.0, teacher, actions, reference, full)  # zeroes the gradients first
     assert stats["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
-    for p, e in zip(params, expected, strict=True):
-        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+    for p, e in zip(params, expected, strict=True):  # batched, the sums run in another order
+        torch.testing.assert_close(p.grad, e, rtol=1e-3 if in_step else 1e-4, atol=1e-6 if in_step else 1e-7)
 
 
 @pytest.mark.parametrize("first", [0.0, 2.0])
@@ -184,6 +192,40 @@ def test_rehearsal_backpropagates_item_by_item_the_gradient_of_the_mean_over_all
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-7)
+
+
+def test_inside_a_step_replies_are_read_in_batches_with_what_one_at_a_time_gives(tiny_model, monkeypatch):
+    """Inside a step (the prompts' keys and values kept) replies are read :data:`REPLY_BATCH` together, their
+    prompts' keys and values stacked left-padded and the replies right-padded: each reply's distributions, and
+    rehearsal's gradient with the hold to the base model, are what reading each one alone gives."""
+    monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)  # two batches, the last of one item
+    trainer = new_trainer(tiny_model)
+    trainer.reset(None)
+    adapter_with_effect(trainer)
+    items = [encode_turn(trainer, "Say hello.", "Hello there, friend!")[1:],
+             encode_turn(trainer, "What is two plus two? Tell me slowly.", "Four.")[1:],
+             encode_turn(trainer, "Hi!", "Hi! How can I help?")[1:]]  # fmt: skip
+    assert len({len(p) for p, _ in items}) == 3 and len({len(r) for _, r in items}) == 3  # padded both sides
+    prompts = [p for p, _ in items]
+    with torch.no_grad():
+        alone = [trainer.response_distributions(p, r) for p, r in items]
+        with trainer._reusing_prompts(prompts):
+            batches = list(trainer._reply_batches(items))
+    assert [(start, len(b)) for start, b in batches] == [(0, 2), (2, 1)]
+    for got, want in zip([d for _, b in batches for d in b], alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads, losses = [], []
+    for in_step in (False, True):
+        trainer.model.zero_grad(set_to_none=True)
+        with trainer._holding(items, 0.5), trainer._reusing_prompts(prompts) if in_step else nullcontext():
+            losses.append(trainer._rehearse(items, 0.25, 2.0))
+        grads.append([p.grad.clone() for p in params])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert any(float(g.abs().sum()) > 0 for g in grads[0])
+    for batched, single in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-6)
 
 
 def test_rehearsal_backpropagates_item_by_item_its_likelihood_and_the_kl_from_the_base_model(tiny_model):
@@ -379,6 +421,32 @@ def test_the_contrast_binds_each_value_to_its_own_request_where_the_likelihood_r
     assert sum(results[1.0]) > sum(results[0.0]) + 1.0  # nats, over the two requests
     assert min(results[1.0]) > 0  # each request's own value gained on the other's, on its own prompt
     assert stats["contrast_pairs"] == 2
+
+
+def test_inside_a_step_the_contrast_reads_its_actions_in_batches_with_the_gradient_one_at_a_time_gives(tiny_model,
+                                                                                                     monkeypatch):  # fmt: skip
+    monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)  # two batches, the last of one action
+    objective = build_objective("combined", hindsight="action", contrast_weight=1.0)
+    trainer = LoraTrainer.load(str(tiny_model), LORA, objective, device="cpu")
+    adapter_with_effect(trainer)
+    actions = [call_ids(trainer, "now", timezone=city) for city in ("Lisbon", "Sydney", "Asia/Tokyo")]
+    samples = []
+    for i, question in enumerate((HOME, "What time is it where Mum lives?", "And the time in Tokyo, please?")):
+        _, prompt, wrong = encode_turn(trainer, question, "It is ten.")
+        samples.append(Sample(f"t{i}", prompt, wrong, [-2.0] * len(wrong), -1))
+    contrasts = trainer._contrasts(actions)
+    assert len(contrasts) == 3
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads, stats = [], []
+    for in_step in (False, True):
+        trainer.model.zero_grad(set_to_none=True)
+        with trainer._reusing_prompts([s.prompt_ids for s in samples]) if in_step else nullcontext():
+            stats.append(trainer._contrast(samples, actions, contrasts))
+        grads.append([p.grad.clone() for p in params])
+    assert stats[1] == pytest.approx(stats[0], rel=1e-4) and stats[0]["contrast_pairs"] == 6
+    assert any(float(g.abs().sum()) > 0 for g in grads[0])
+    for batched, single in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-6)
 
 
 def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(

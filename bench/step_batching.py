@@ -1,13 +1,15 @@
-"""What a weights step's anchor costs, its prompts' openings read one at a time and in batches.
+"""What a weights step costs with one of its parts read in batches and read one at a time.
 
-``learner.rehearsal.anchor_weight`` holds the rehearsal set's small talk (48 chats and answers read off a tool)
-and the step's drawn calls at the odds of opening with a tool call the step found them at: every pass reads each
-one's reply's first token. One at a time that is a one-token forward and backward pass a prompt, nearly all of it
-per-call overhead; the trainer reads them in batches (``_Openings``: each batch's keys and values stacked,
-left-padded to the longest). This runs the same step twice from the same start, once each way, and prints both
-times, their ratio and the step's losses, which must agree:
+A weights step reads, every pass, its samples' replies (once without gradients for the objective, once more to
+carry its gradient into the adapter), the rehearsal items' replies, and the anchored prompts' openings (the
+rehearsal set's small talk, 48 chats and answers read off a tool, and the step's drawn calls: each one's reply's
+first token). One at a time each is a short forward and backward pass, much of it per-call overhead on a CPU; the
+trainer reads them in batches, each batch's prompts' keys and values stacked, left-padded to the longest:
+``--part openings`` the anchor's (``_Openings``), ``--part replies`` the samples', the teacher's actions' and the
+rehearsal items' (``LoraTrainer._reply_batches``). This runs the same step twice from the same start, the part
+batched and one at a time, and prints both times, their ratio and the step's losses, which must agree:
 
-    python bench/anchor_batching.py MODEL_DIR [--config F.yaml] [--lora-lr 2e-3] [--threads 1]
+    python bench/step_batching.py MODEL_DIR [--part replies|openings] [--config F.yaml] [--lora-lr 2e-3] [--threads 1]
 
 The step is synthetic but of a real step's shape: 16 samples, the rehearsal set's calls taken as the user's turns
 (half scored +1, half -1 with a hinted teacher), 16 rehearsal items (5 calls, 11 small talk) held to the base
@@ -33,23 +35,29 @@ p.add_argument("model")
 p.add_argument("--config", help="a YAML file overriding config/whet.yaml (its learner settings make the step)")
 p.add_argument("--lora-lr", type=float, help="the LoRA learning rate (default: the config's)")
 p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one core, as a bench arm has)")
+p.add_argument("--part", choices=("replies", "openings"), default="replies",
+               help="what is read in batches in one step and one at a time in the other (default: replies)")
 args = p.parse_args()
 
 learner = load_config(args.config).learner
 if args.lora_lr is not None:
     learner.lora = learner.lora.model_copy(update={"learning_rate": args.lora_lr})
 anchor_weight, kl = learner.rehearsal.anchor_weight or 1.0, learner.rehearsal.kl_weight
-batched = trainer_module.LoraTrainer._openings
+batched_openings, reply_batch = trainer_module.LoraTrainer._openings, trainer_module.REPLY_BATCH
 
 
-def one_at_a_time(self: LoraTrainer, prompts, trained):  # the trainer's own fallback: a batch of one prompt
+def openings_one_at_a_time(self: LoraTrainer, prompts, trained):  # the trainer's own fallback: a batch of one
     return [trainer_module._Openings([p]) for p in prompts]
 
 
 results = {}
 with limited_threads(args.threads):
-    for mode, openings in (("batched", batched), ("one at a time", one_at_a_time)):
-        trainer_module.LoraTrainer._openings = openings
+    for mode in ("batched", "one at a time"):
+        alone = mode == "one at a time"
+        if args.part == "openings":
+            trainer_module.LoraTrainer._openings = openings_one_at_a_time if alone else batched_openings
+        else:  # a batch of one reply is read alone, as the trainer's own fallback reads it
+            trainer_module.REPLY_BATCH = 1 if alone else reply_batch
         torch.manual_seed(0)
         trainer = LoraTrainer.load(args.model, learner.lora, objective_from_config(learner.objective), device="cpu")
         items = load_regression_set(rehearsal_path(learner.rehearsal.set or "bundled"), trainer.tokenizer)
@@ -75,6 +83,6 @@ with limited_threads(args.threads):
         del trainer
 
 (fast, a), (slow, b) = results["batched"], results["one at a time"]
-print(f"one at a time / batched: {slow / fast:.2f}x the step's time ({slow - fast:.1f} s saved a step); "
+print(f"{args.part}, one at a time / batched: {slow / fast:.2f}x the step's time ({slow - fast:.1f} s saved a step); "
       f"losses {'agree' if abs(a['loss'] - b['loss']) < 1e-3 else 'DIFFER'} "
       f"({a['loss']:.5f} / {b['loss']:.5f})")
