@@ -51,7 +51,7 @@ CONTRASTS = 3  # other actions each teacher action is raised above, at most (:me
 DECODE_BATCH = 8  # replies greedy decoding writes together (:meth:`LoraTrainer._decode`)
 OPENINGS_BATCH = 16  # anchored prompts whose reply's first token one forward pass reads (:class:`_Openings`)
 OPTIMIZER_STATE = "optimizer.pt"
-REPLY_BATCH = 8  # replies one training forward pass reads against their prompts' stacked keys and values (:meth:`LoraTrainer._reply_batches`)
+REPLY_BATCH = 4  # replies one training forward pass reads against their prompts' stacked keys and values (:meth:`LoraTrainer._reply_batches`)
 
 
 @dataclass(frozen=True)
@@ -302,27 +302,36 @@ class LoraTrainer:
         return _pick(self.response_distributions(prompt_ids, response_ids), response_ids)  # [T]
 
     def _reply_batches(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]
-                       ) -> Iterator[tuple[int, list[torch.Tensor]]]:  # fmt: skip
-        """:meth:`response_distributions` of each (prompt, response) of ``items``, :data:`REPLY_BATCH` at a time:
-        (the index of the batch's first item, each of its items' [T, V]); grad follows torch's mode, and a caller
-        that backpropagates a batch before asking for the next holds one batch's graph at a time.
+                       ) -> Iterator[list[tuple[int, torch.Tensor]]]:  # fmt: skip
+        """:meth:`response_distributions` of each (prompt, response) of ``items``, :data:`REPLY_BATCH` at a time,
+        each batch as (an item's index in ``items``, its [T, V]); grad follows torch's mode, and a caller that
+        backpropagates a batch before asking for the next holds one batch's graph at a time.
 
-        Inside a step, where each prompt's keys and values are kept (:meth:`_prompt_caches`), a batch's are
-        stacked, each left-padded to the longest (:func:`_stacked_cache`), and its replies, right-padded to the
-        longest, run in one forward pass at their own positions: the padding is masked on the left, and a
-        reply's tokens never see the padding on its right, which comes after them. One reply at a time, a pass
-        was a few tens of tokens through every layer and the vocabulary, mostly per-call overhead on a CPU, and a
-        step read each sample twice and each rehearsal item once a pass. Elsewhere (no kept caches,
-        ``lora.train_prompt``, a model whose cache is not of plain layers) one item at a time, as before."""
-        for start in range(0, len(items), REPLY_BATCH):
-            chunk = items[start:start + REPLY_BATCH]
-            caches = [self._step_caches.get(tuple(p[:-1])) if len(p) > 1 else None for p, _ in chunk]
-            if (len(chunk) < 2 or self._step_prefix is not None
-                    or any(c is None or not _stackable(c) for c in caches)):  # fmt: skip
-                yield start, [self.response_distributions(p, r) for p, r in chunk]
+        Inside a step, where each prompt's keys and values are kept (:meth:`_prompt_caches`), the items are taken
+        shortest reply first, and a batch's prompts' keys and values are stacked, each left-padded to the longest
+        (:func:`_stacked_cache`), and its replies, right-padded to the longest, run in one forward pass at their
+        own positions: the padding is masked on the left, and a reply's tokens never see the padding on its
+        right, which comes after them. Elsewhere (no kept caches, ``lora.train_prompt``, a model whose cache is
+        not of plain layers) one item at a time, in order.
+
+        Why: one at a time, a pass is a few tens of tokens through every layer and the vocabulary, and a step
+        reads each sample twice and each rehearsal item once a pass. 16 rehearsal items' forward and backward
+        passes on one core of a Zen 4 EPYC (SmolLM2, bfloat16): 8.2 s one at a time, 6.4 s four a batch taken
+        shortest first, 7.9 s eight a batch; taken in their own order, eight a batch padded 600 tokens to 880 and
+        gained nothing (bench/results/RUNS.md, stop 76)."""
+        if self._step_prefix is not None or len(items) < 2:
+            order, size = list(range(len(items))), 1
+        else:
+            order, size = sorted(range(len(items)), key=lambda i: len(items[i][1])), REPLY_BATCH
+        for first in range(0, len(order), size):
+            chunk = order[first:first + size]
+            caches = [self._step_caches.get(tuple(items[i][0][:-1])) if len(items[i][0]) > 1 else None for i in chunk]
+            if len(chunk) < 2 or any(c is None or not _stackable(c) for c in caches):
+                yield [(i, self.response_distributions(*items[i])) for i in chunk]
                 continue
-            lengths, width = [len(p) - 1 for p, _ in chunk], max(len(r) for _, r in chunk)
-            rows = [[p[-1], *r[:-1]] for p, r in chunk]  # token i predicts i + 1
+            lengths = [len(items[i][0]) - 1 for i in chunk]
+            rows = [[items[i][0][-1], *items[i][1][:-1]] for i in chunk]  # token t predicts t + 1
+            width = max(len(row) for row in rows)
             past = _padding_mask(lengths, self.device)  # [B, L]: the stacked prompts' left padding
             ahead = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], device=self.device)
             ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)  # [B, W]
@@ -331,7 +340,14 @@ class LoraTrainer:
                 logits = self.model(ids, **with_cache(_stacked_cache(caches)), use_cache=True,
                                     attention_mask=torch.cat([past, ahead], dim=1), position_ids=positions).logits
             logp = torch.log_softmax(logits.float(), dim=-1)  # [B, W, V]
-            yield start, [logp[j, :len(r)] for j, (_, r) in enumerate(chunk)]
+            yield [(i, logp[j, :len(row)]) for j, (i, row) in enumerate(zip(chunk, rows, strict=True))]
+
+    def _replies(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+        """Each item's [T, V] of :meth:`_reply_batches`, in order, each its own tensor. Call it without gradients."""
+        read: dict[int, torch.Tensor] = {}
+        for batch in self._reply_batches(items):
+            read.update((i, d.clone()) for i, d in batch)
+        return [read[i] for i in range(len(items))]
 
     def teacher_action(self, teacher_prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The action the policy as it is now takes, greedy, from the hinted prompt: its token ids,
@@ -624,8 +640,7 @@ class LoraTrainer:
         self.model.train()
         try:
             with torch.no_grad():
-                student = [d.clone().requires_grad_() for _, batch in
-                           self._reply_batches([(s.prompt_ids, s.response_ids) for s in samples]) for d in batch]  # fmt: skip
+                student = [d.requires_grad_() for d in self._replies([(s.prompt_ids, s.response_ids) for s in samples])]
                 learnt = None if actions is None else self._action_leaves(samples, actions)
             loss, stats = self.objective.loss(self._token_batch(samples, baseline, teacher, actions, reference, full,
                                                                 student, learnt))  # fmt: skip
@@ -707,10 +722,7 @@ class LoraTrainer:
         """Each teacher action's [A] log-probs on its sample's prompt under the adapter as it is now, as leaves
         that take a gradient (a zero, [1], for a sample without one). Call it without gradients."""
         acted = [(s.prompt_ids, a) for s, a in zip(samples, actions, strict=True) if a]
-        logps = []
-        for start, batch in self._reply_batches(acted):
-            logps += [_pick(d, a).clone() for d, (_, a) in zip(batch, acted[start:start + len(batch)], strict=True)]
-        read = iter(logps)
+        read = iter(_pick(d, a) for d, (_, a) in zip(self._replies(acted), acted, strict=True))
         return [(next(read) if a else torch.zeros(1, device=self.device)).requires_grad_() for a in actions]
 
     def _carry(self, samples: Sequence[Sample], actions: list[list[int] | None] | None, student: list[torch.Tensor],
@@ -723,8 +735,8 @@ class LoraTrainer:
         if actions is not None and learnt is not None:
             reached += [((s.prompt_ids, a), leaf.grad) for s, a, leaf in zip(samples, actions, learnt, strict=True)
                         if a and leaf.grad is not None and bool(leaf.grad.any())]  # fmt: skip
-        for start, batch in self._reply_batches([item for item, _ in reached]):
-            carried = zip(batch, reached[start:start + len(batch)], strict=True)
+        for batch in self._reply_batches([item for item, _ in reached]):
+            carried = [(d, reached[i]) for i, d in batch]
             # a sample's leaf is its [T, V] distributions, an action's its [A] log-probs of the action's tokens
             sum((d if g.dim() == 2 else _pick(d, r)).mul(g).sum() for d, ((_, r), g) in carried).backward()
 
@@ -756,10 +768,10 @@ class LoraTrainer:
         bases = [self._base_dists.get((tuple(p), tuple(r))) for p, r in items]
         held = sum(len(r) for (_, r), base in zip(items, bases, strict=True) if base is not None)
         total = divergence = 0.0
-        for start, batch in self._reply_batches(items):
+        for batch in self._reply_batches(items):
             loss = torch.zeros((), device=self.device)
-            end = start + len(batch)
-            for dists, (_, response), base in zip(batch, items[start:end], bases[start:end], strict=True):  # [T, V]
+            for i, dists in batch:  # [T, V]
+                response, base = items[i][1], bases[i]
                 logp = _pick(dists, response)  # [T]
                 loss = loss - weight * logp.sum() / tokens - first * logp[0] / len(items)
                 if base is not None:
@@ -779,7 +791,7 @@ class LoraTrainer:
         vocabulary)."""
         if items:
             with torch.no_grad(), self.model.disable_adapter(), self._reusing_prompts([p for p, _ in items]):
-                read = [d.clone() for _, batch in self._reply_batches(items) for d in batch]
+                read = self._replies(items)
             self._base_dists = {(tuple(p), tuple(r)): d for (p, r), d in zip(items, read, strict=True)}
             self._base_weight = weight
         try:
@@ -912,10 +924,10 @@ class LoraTrainer:
         count = sum(len(others) for _, others in contrasts)
         read = [(samples[i].prompt_ids, actions[i] or []) for i, _ in contrasts]
         total = 0.0
-        for start, batch in self._reply_batches(read):
+        for batch in self._reply_batches(read):
             loss = torch.zeros((), device=self.device)
-            for logp, (_, action), (_, others) in zip(batch, read[start:start + len(batch)],
-                                                       contrasts[start:start + len(batch)], strict=True):  # [A, V]
+            for i, logp in batch:  # [A, V]
+                action, others = read[i][1], contrasts[i][1]
                 for at, token in others:
                     loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
             (weight * loss / count).backward()
