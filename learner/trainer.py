@@ -319,7 +319,7 @@ class LoraTrainer:
         passes on one core of a Zen 4 EPYC (SmolLM2, bfloat16): 8.2 s one at a time, 6.4 s four a batch taken
         shortest first, 7.9 s eight a batch; taken in their own order, eight a batch padded 600 tokens to 880 and
         gained nothing (bench/results/RUNS.md, stop 76)."""
-        if self._step_prefix is not None or len(items) < 2:
+        if self._step_prefix is not None or not self._step_caches or len(items) < 2:
             order, size = list(range(len(items))), 1
         else:
             order, size = sorted(range(len(items)), key=lambda i: len(items[i][1])), REPLY_BATCH
@@ -922,7 +922,8 @@ class LoraTrainer:
         Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
         weight = self._contrast_weight
         count = sum(len(others) for _, others in contrasts)
-        read = [(samples[i].prompt_ids, actions[i] or []) for i, _ in contrasts]
+        read = [(samples[i].prompt_ids, actions[i]) for i, _ in contrasts]
+        assert all(action is not None for _, action in read)  # :meth:`_contrasts` pairs teacher actions only
         total = 0.0
         for batch in self._reply_batches(read):
             loss = torch.zeros((), device=self.device)
