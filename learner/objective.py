@@ -60,6 +60,23 @@ class Objective(Protocol):
         """(scalar loss to call backward on, python-float stats for logs)."""
         ...
 
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which rows of ``batch.logp`` (and ``student_dist``) and which of ``batch.action_logp`` the loss and its
+        statistics read, [B] bool each; the others may hold anything. Every loss here is a sum of one term per
+        token over denominators that count tokens, not values, so a row's gradient is the same whatever the
+        other rows hold: the trainer reads each row it needs once, with its graph, a few at a time."""
+        ...
+
+
+def _no_rows(batch: TokenBatch) -> torch.Tensor:
+    return torch.zeros(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device)  # [B]
+
+
+def _hinted_rows(batch: TokenBatch, present: torch.Tensor | None) -> torch.Tensor:
+    if present is None or batch.has_hint is None:
+        return _no_rows(batch)
+    return batch.has_hint & batch.mask.bool().any(-1)  # [B]
+
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)  # []
@@ -199,6 +216,10 @@ class BinaryRL:
         advantages = torch.where(advantages < 0, advantages * self.negative_weight, advantages)  # [B, 1]
         return _policy_gradient("rl_loss", batch, advantages, mask, self.clip_low, self.clip_high)
 
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = batch.mask if batch.rl_mask is None else batch.mask * batch.rl_mask  # [B, T]
+        return (batch.scores != 0) & mask.bool().any(-1), _no_rows(batch)
+
 
 @dataclass(frozen=True)
 class HindsightOPD:
@@ -225,6 +246,9 @@ class HindsightOPD:
         advantages = opd_advantages(batch.teacher_logp, batch.logp, self.advantage_clip)  # [B, T]
         advantages = torch.where(mask > 0, advantages, torch.zeros_like(advantages))  # [B, T]
         return _policy_gradient("opd_loss", batch, advantages, mask, self.clip_low, self.clip_high)
+
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return _hinted_rows(batch, batch.teacher_logp), _no_rows(batch)
 
 
 @dataclass(frozen=True)
@@ -256,6 +280,9 @@ class HindsightDistillation:
                      "tokens": float(mask.sum())}  # adv_mean here: share of positions where both pick the same token
         value = float(loss.detach())
         return loss, {"loss": value, "opd_loss": value, **stats}
+
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return _hinted_rows(batch, batch.teacher_dist), _no_rows(batch)
 
 
 @dataclass(frozen=True)
@@ -292,6 +319,10 @@ class HindsightAction:
                      "adv_mean": float(_token_mean(batch.action_logp.exp(), mask))}  # adv_mean: mean p(teacher token)
         value = float(loss.detach())
         return loss, {"loss": value, "opd_loss": value, **stats}
+
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        acted = _no_rows(batch) if batch.action_mask is None else batch.action_mask.bool().any(-1)  # [B]
+        return _no_rows(batch), acted
 
 
 @dataclass(frozen=True)
@@ -342,6 +373,12 @@ class Combined:
         for prefix, part in (("rl", rl_stats), ("opd", opd_stats)):
             stats.update({f"{prefix}_{key}": part[key] for key in _EMPTY_STATS})
         return loss, {"loss": float(loss.detach()), **stats}
+
+    def reads(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both terms' rows, weighed at 0 or not (their statistics read them), and every row under the KL."""
+        (rl, rl_acts), (opd, opd_acts) = self.rl.reads(batch), self.opd.reads(batch)
+        every = batch.mask.bool().any(-1) if batch.ref_logp is not None else _no_rows(batch)  # [B]
+        return rl | opd | every, rl_acts | opd_acts
 
 
 _BUILDERS: dict[str, Callable[..., Objective]] = {

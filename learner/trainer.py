@@ -26,7 +26,7 @@ import os
 import platform
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -622,38 +622,91 @@ class LoraTrainer:
               rehearsal_weight: float = 1.0, rehearsal_first: float = 0.0,
               anchor: tuple[Anchor, list[_Openings], list[float]] | None = None,
               contrasts: Sequence[tuple[int, list[tuple[int, int]]]] = ()) -> dict[str, float]:  # fmt: skip
-        """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`.
-        The importance ratio stays against the behaviour log-probs, so the clip bounds how far
-        all of a step's passes together move the policy on the RL part.
-
-        The objective reads the whole batch at once (its token means run over every sample), but
-        a graph per sample and teacher action, all alive at once, took ~250 MB each on SmolLM2 (the
-        response against its prompt's keys and values, and its [T, V] distributions): a weights
-        arm's server reached 11 GB in a step of 8 samples and 16 rehearsal items. So the
-        objective's inputs are computed without graphs first, as leaves; its gradient with respect
-        to them is then carried into the adapter one sample at a time (:meth:`_carry`), each graph
-        built, backpropagated and freed in turn, and rehearsal likewise (:meth:`_rehearse`): the
-        same gradient for one more forward pass per sample, without gradients (SmolLM2, a pass of
-        8 samples and 16 rehearsal items: +1.3 GB at its peak against +8.7 GB, 2% slower). Inside a step
-        both read :data:`REPLY_BATCH` samples a forward pass (:meth:`_reply_batches`), one batch's graph
-        alive at a time."""
+        """One optimizer step on ``samples`` against the teacher's side computed by :meth:`step`: the objective
+        (:meth:`_objective`, with the teacher actions' ``contrasts``), the anchor, rehearsal. The importance
+        ratio stays against the behaviour log-probs, so the clip bounds how far all of a step's passes together
+        move the policy on the RL part."""
         self.model.train()
         try:
-            with torch.no_grad():
-                student = [d.requires_grad_() for d in self._replies([(s.prompt_ids, s.response_ids) for s in samples])]
-                learnt = None if actions is None else self._action_leaves(samples, actions)
-            loss, stats = self.objective.loss(self._token_batch(samples, baseline, teacher, actions, reference, full,
-                                                                student, learnt))  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # as far as the leaves
-            self._carry(samples, actions, student, learnt)
+            stats = self._objective(samples, baseline, teacher, actions, reference, full, contrasts)
             if anchor is not None:
                 stats.update(self._anchor(*anchor))
-            if contrasts and actions is not None:
-                stats.update(self._contrast(samples, actions, contrasts))
             return self._apply(stats, rehearsal, rehearsal_weight, rehearsal_first)
         finally:
             self.model.eval()
+
+    def _objective(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
+                   actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
+                   contrasts: Sequence[tuple[int, list[tuple[int, int]]]]) -> dict[str, float]:  # fmt: skip
+        """Adds the objective's gradient to the adapter's, and the contrast's (:meth:`_contrast_loss`); returns
+        the objective's statistics over the whole batch, and the contrast's.
+
+        The objective reads the whole batch at once (its token means run over every sample), but a graph per
+        sample and teacher action, all alive at once, took ~250 MB each on SmolLM2 (the response against its
+        prompt's keys and values, and its [T, V] distributions): a weights arm's server reached 11 GB in a step
+        of 8 samples and 16 rehearsal items. Every term of every objective is one token's, over denominators
+        that count tokens, not their values (:meth:`Objective.reads`), so a row's gradient is the same whatever
+        the other rows hold. So each row the objective reads, a sample's reply or a teacher action, is read
+        once, :data:`REPLY_BATCH` at a time inside a step (:meth:`_reply_batches`): the objective is taken with
+        that batch's rows live and every other row as it stands (read, or not yet: zeros), and with the contrasts
+        of the batch's actions, which the same read gives, backpropagated and freed before the next batch is
+        read. The statistics are then the objective's over every row as read. A row the objective does not read
+        (a score of 0 without a hint) is not read at all.
+
+        Why: until stop 77 every row was read once without gradients for the objective, then again to carry the
+        gradient the objective left on it into the adapter, and each contrasted teacher action a third time for
+        its contrast (bench/results/RUNS.md, stop 77)."""
+        taught = actions or [None] * len(samples)
+        logp = [torch.zeros(len(s.response_ids), device=self.device) for s in samples]  # [T] each, as read
+        dists = [torch.zeros((), device=self.device).expand(len(s.response_ids), self._vocabulary())
+                 for s in samples] if full else None  # fmt: skip
+        learnt = [torch.zeros(len(a) if a else 1, device=self.device) for a in taught]  # [A] each, as read
+        fixed = self._token_batch(samples, baseline, teacher, actions, reference, logp, dists,
+                                  None if actions is None else learnt)  # fmt: skip
+
+        def taken(logp: list[torch.Tensor], dists: list[torch.Tensor] | None, learnt: list[torch.Tensor]) -> TokenBatch:
+            return replace(fixed, logp=pad_sequence(logp, batch_first=True),
+                           student_dist=None if dists is None else pad_sequence(dists, batch_first=True),
+                           action_logp=None if actions is None else pad_sequence(learnt, batch_first=True))
+
+        rows, acted = self.objective.reads(fixed)
+        others = dict(contrasts)
+        where = [(False, i) for i in range(len(samples)) if bool(rows[i])]  # (a teacher action?, its sample)
+        where += [(True, i) for i, a in enumerate(taught) if a and (bool(acted[i]) or i in others)]
+        read = [(samples[i].prompt_ids, taught[i] if act else samples[i].response_ids) for act, i in where]
+        pairs, contrast = sum(len(o) for o in others.values()), 0.0
+        for batch in self._reply_batches(read):
+            live_logp, live_dists, live_learnt = list(logp), None if dists is None else list(dists), list(learnt)
+            margins = torch.zeros((), device=self.device)
+            for j, d in batch:  # [T, V]
+                act, i = where[j]
+                if act:
+                    live_learnt[i] = _pick(d, read[j][1])
+                    margins = margins + self._contrast_loss(d, read[j][1], others.get(i, ()))
+                else:
+                    live_logp[i] = _pick(d, read[j][1])
+                    if live_dists is not None:
+                        live_dists[i] = d
+            loss, _ = self.objective.loss(taken(live_logp, live_dists, live_learnt))
+            if pairs:
+                loss = loss + self._contrast_weight * margins / pairs
+                contrast += float(margins.detach())
+            if loss.requires_grad:
+                loss.backward()
+            for j, _ in batch:  # as read, for the statistics and the batches after this one
+                act, i = where[j]
+                if act:
+                    learnt[i] = live_learnt[i].detach()
+                else:
+                    logp[i] = live_logp[i].detach()
+                    if dists is not None and live_dists is not None:
+                        dists[i] = live_dists[i].detach()
+        with torch.no_grad():
+            _, stats = self.objective.loss(taken(logp, dists, learnt))
+        if pairs:
+            stats.update({"contrast_loss": contrast / pairs, "contrast_pairs": float(pairs)})
+        return stats
 
     def repair(self, chats: Sequence[tuple[Sequence[int], Sequence[int]]],
                rehearsal: Sequence[tuple[Sequence[int], Sequence[int]]] = (), rehearsal_weight: float = 1.0,
@@ -688,13 +741,15 @@ class LoraTrainer:
         return stats
 
     def _token_batch(self, samples: Sequence[Sample], baseline: float, teacher: list[torch.Tensor | None],
-                     actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None, full: bool,
-                     student: list[torch.Tensor], learnt: list[torch.Tensor] | None) -> TokenBatch:  # fmt: skip
-        """The objective's input: ``student``, each sample's [T, V] log-distributions under the policy
-        as it is now; ``learnt``, each teacher action's [A] log-probs under it (a zero for none)."""
+                     actions: list[list[int] | None] | None, reference: list[torch.Tensor] | None,
+                     logp: list[torch.Tensor], dists: list[torch.Tensor] | None,
+                     learnt: list[torch.Tensor] | None) -> TokenBatch:  # fmt: skip
+        """The objective's input: ``logp``, each sample's [T] log-probs of its reply under the policy as it is
+        now, and ``dists`` its [T, V] distributions where the objective needs them (None: it does not);
+        ``learnt``, each teacher action's [A] log-probs under it (a zero for none)."""
+        full = dists is not None
         batch = TokenBatch(
-            logp=pad_sequence([_pick(d, s.response_ids) for d, s in zip(student, samples, strict=True)],
-                              batch_first=True),  # [B, T]
+            logp=pad_sequence(list(logp), batch_first=True),  # [B, T]
             old_logp=_padded([s.behaviour_logprobs for s in samples], self.device),  # [B, T]
             mask=_padded([[1.0] * len(s.response_ids) for s in samples], self.device),  # [B, T]
             scores=torch.tensor([float(s.score) for s in samples], device=self.device),  # [B]
@@ -704,13 +759,14 @@ class LoraTrainer:
             has_hint=torch.tensor([s.teacher_prompt_ids is not None for s in samples], device=self.device),
             ref_logp=pad_sequence(reference, batch_first=True) if reference is not None else None,
             baseline=baseline,
-            student_dist=pad_sequence(student, batch_first=True) if full else None,  # [B, T, V]
-            teacher_dist=pad_sequence([d if d is not None else torch.zeros_like(st)
-                                       for d, st in zip(teacher, student, strict=True)],
+            student_dist=pad_sequence(list(dists), batch_first=True) if dists is not None else None,  # [B, T, V]
+            teacher_dist=pad_sequence([d if d is not None
+                                       else torch.zeros(len(s.response_ids), self._vocabulary(), device=self.device)
+                                       for d, s in zip(teacher, samples, strict=True)],
                                       batch_first=True) if full else None,  # [B, T, V]
         )
         if actions is not None and learnt is not None:
-            batch.action_logp = pad_sequence(learnt, batch_first=True)  # [B, A]
+            batch.action_logp = pad_sequence(list(learnt), batch_first=True)  # [B, A]
             batch.action_mask = _padded([[1.0] * len(a) if a else [0.0] for a in actions], self.device)  # [B, A]
             unhinted = getattr(self.objective, "blame_unhinted", True)
             batch.rl_mask = _padded([blamed_tokens(s.response_ids, a, unhinted) if s.score < 0
@@ -718,27 +774,9 @@ class LoraTrainer:
                                      for s, a in zip(samples, actions, strict=True)], self.device)  # [B, T]
         return batch
 
-    def _action_leaves(self, samples: Sequence[Sample], actions: Sequence[list[int] | None]) -> list[torch.Tensor]:
-        """Each teacher action's [A] log-probs on its sample's prompt under the adapter as it is now, as leaves
-        that take a gradient (a zero, [1], for a sample without one). Call it without gradients."""
-        acted = [(s.prompt_ids, a) for s, a in zip(samples, actions, strict=True) if a]
-        read = iter(_pick(d, a) for d, (_, a) in zip(self._replies(acted), acted, strict=True))
-        return [(next(read) if a else torch.zeros(1, device=self.device)).requires_grad_() for a in actions]
-
-    def _carry(self, samples: Sequence[Sample], actions: list[list[int] | None] | None, student: list[torch.Tensor],
-               learnt: list[torch.Tensor] | None) -> None:  # fmt: skip
-        """Backpropagates the gradient the objective left on its leaves (``student``, ``learnt``) into the
-        adapter, a batch of forward passes and its graph at a time (:meth:`_reply_batches`); a leaf the loss
-        did not reach is skipped."""
-        reached = [((s.prompt_ids, s.response_ids), leaf.grad) for s, leaf in zip(samples, student, strict=True)
-                   if leaf.grad is not None and bool(leaf.grad.any())]  # fmt: skip
-        if actions is not None and learnt is not None:
-            reached += [((s.prompt_ids, a), leaf.grad) for s, a, leaf in zip(samples, actions, learnt, strict=True)
-                        if a and leaf.grad is not None and bool(leaf.grad.any())]  # fmt: skip
-        for batch in self._reply_batches([item for item, _ in reached]):
-            carried = [(d, reached[i]) for i, d in batch]
-            # a sample's leaf is its [T, V] distributions, an action's its [A] log-probs of the action's tokens
-            sum((d if g.dim() == 2 else _pick(d, r)).mul(g).sum() for d, ((_, r), g) in carried).backward()
+    def _vocabulary(self) -> int:
+        """How many tokens a distribution of the model's spans (its output layer's rows)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
 
     def _rehearse(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], weight: float,
                   first: float = 0.0) -> tuple[float, float]:  # fmt: skip
@@ -905,14 +943,13 @@ class LoraTrainer:
                 pairs.append((i, list(others.values())[:CONTRASTS]))
         return pairs
 
-    def _contrast(self, samples: Sequence[Sample], actions: Sequence[list[int] | None],
-                  contrasts: Sequence[tuple[int, list[tuple[int, int]]]]) -> dict[str, float]:  # fmt: skip
-        """Adds to the gradients the objective's ``contrast_weight`` times the gradient of the mean, over every
-        (teacher action, other action) pair of :meth:`_contrasts`, of ``softplus(-margin)``: ``margin`` the
-        log-probability of the teacher action's token where the two first differ, minus the other's token
-        there, on the sample's own prompt (no hint). The two share what comes before that token, so one forward
-        pass of the teacher action reads both, and it is where greedy decoding chooses between them. One
-        batch's graph at a time (:meth:`_reply_batches`).
+    def _contrast_loss(self, logp: torch.Tensor, action: Sequence[int], others: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The sum, over ``others`` (the pairs :meth:`_contrasts` gives a teacher action), of ``softplus(-margin)``:
+        ``margin`` the log-probability of the teacher ``action``'s token where the two first differ, minus the
+        other's token there, from ``logp`` [A, V], the action read on its sample's own prompt (no hint). The two
+        share what comes before that token, so one forward pass of the teacher action reads both, and it is
+        where greedy decoding chooses between them. :meth:`_objective` adds the objective's ``contrast_weight``
+        times the mean over every pair of the step.
 
         Why: a step that teaches "back home" -> Lisbon and "where Mum is" -> Sydney, on each action's likelihood
         alone, moves both cities up for every request of the tool (the shared direction is the larger): after a
@@ -920,20 +957,10 @@ class LoraTrainer:
         -3.62 and Sydney -1.86 to -2.08 nats (bench/results/RUNS.md, stop 67). The margin cancels that shared
         direction: on the "home" prompt Lisbon goes up against Sydney, on the "Mum" prompt Sydney against
         Lisbon, and it stops pulling once a request prefers its own value by a few nats."""
-        weight = self._contrast_weight
-        count = sum(len(others) for _, others in contrasts)
-        read = [(samples[i].prompt_ids, actions[i]) for i, _ in contrasts]
-        assert all(action is not None for _, action in read)  # :meth:`_contrasts` pairs teacher actions only
-        total = 0.0
-        for batch in self._reply_batches(read):
-            loss = torch.zeros((), device=self.device)
-            for i, logp in batch:  # [A, V]
-                action, others = read[i][1], contrasts[i][1]
-                for at, token in others:
-                    loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
-            (weight * loss / count).backward()
-            total += float(loss.detach())
-        return {"contrast_loss": total / count, "contrast_pairs": float(count)}
+        loss = torch.zeros((), device=logp.device)
+        for at, token in others:
+            loss = loss + torch.nn.functional.softplus(logp[at, token] - logp[at, action[at]])
+        return loss
 
     def _new_actions(self, samples: Sequence[Sample]) -> list[list[int] | None]:
         """The hinted teacher's action for each of ``samples``, or None: no hint, or the teacher would do

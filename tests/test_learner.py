@@ -23,7 +23,7 @@ from whet.learner.objective import blamed_tokens, build_objective, objective_fro
 from whet.learner.prompt import hinted_prompt_ids, prompt_text, prompt_with_lessons, relessoned
 from whet.learner.registry import AdapterRegistry
 from whet.learner.tiny import build_tiny_model
-from whet.learner.trainer import Anchor, LoraTrainer, Sample
+from whet.learner.trainer import Anchor, LoraTrainer, Sample, _pick
 from whet.memory.bus import LESSON_ADDED, MemoryBus
 from whet.memory.experience import Experience
 from whet.memory.store import Store, open_store
@@ -129,13 +129,13 @@ def adapter_with_effect(trainer: LoraTrainer) -> None:
 
 @pytest.mark.parametrize("in_step", [False, True])
 @pytest.mark.parametrize("hindsight,kl_weight", [("action", 0.0), ("token", 0.1), ("distribution", 0.0)])
-def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a_time_unchanged(tiny_model, hindsight,
-                                                                                               kl_weight, in_step,
-                                                                                               monkeypatch):  # fmt: skip
-    """The objective's gradient with respect to its inputs, carried sample by sample (one graph alive at
-    a time), is the gradient of the objective over every sample's graph at once. ``in_step``: inside a step,
-    where the prompts' keys and values are kept, the samples (and the teacher's actions) are read and carried in
-    batches (:meth:`LoraTrainer._reply_batches`; two here, the last of one sample): the same gradient."""
+def test_a_pass_reads_each_reply_the_objective_reads_once_and_gives_its_gradient_over_every_graph_at_once(
+        tiny_model, hindsight, kl_weight, in_step, monkeypatch):  # fmt: skip
+    """The objective's gradient over every sample's and teacher action's graph at once is what a pass gives,
+    reading each reply the objective reads once, a few at a time, the others fixed (:meth:`LoraTrainer._objective`);
+    a reply it does not read (a score of 0 without a hint, where no KL term reads every reply) is not read at all.
+    ``in_step``: inside a step, where the prompts' keys and values are kept, in batches (two here, the last of one
+    reply; :meth:`LoraTrainer._reply_batches`): the same gradient."""
     monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)
     objective = build_objective("combined", hindsight=hindsight, kl_weight=kl_weight, rl_negative_weight=0.25)
     trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"max_grad_norm": 1e9}), objective, device="cpu")
@@ -144,7 +144,8 @@ def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a
     teacher_prompt = hinted_prompt_ids(trainer.tokenizer, messages, prompt, HOME_HINT)
     samples = [sample(trainer, "t1", "What time is it?", "It is nine.", 1),
                sample(trainer, "t2", "Say hello.", "No.", -1),
-               Sample("t3", prompt, wrong, [-2.0] * len(wrong), -1, teacher_prompt_ids=teacher_prompt)]  # fmt: skip
+               Sample("t3", prompt, wrong, [-2.0] * len(wrong), -1, teacher_prompt_ids=teacher_prompt),
+               sample(trainer, "t4", "Good night.", "Night!", 0)]  # fmt: skip
     teacher, actions, reference = trainer._teacher_side(samples)
     assert hindsight != "action" or actions[2]  # the hinted sample has an action to learn
     full = objective.needs_distributions
@@ -155,13 +156,20 @@ def test_a_pass_carries_the_objectives_gradient_into_the_adapter_one_sample_at_a
     student = [trainer.response_distributions(s.prompt_ids, s.response_ids) for s in samples]
     learnt = None if actions is None else [trainer.response_logprobs(s.prompt_ids, a) if a else torch.zeros(1)
                                            for s, a in zip(samples, actions, strict=True)]  # fmt: skip
-    loss, _ = objective.loss(trainer._token_batch(samples, 0.0, teacher, actions, reference, full, student, learnt))
+    picked = [_pick(d, s.response_ids) for d, s in zip(student, samples, strict=True)]
+    loss, _ = objective.loss(trainer._token_batch(samples, 0.0, teacher, actions, reference, picked,
+                                                  student if full else None, learnt))  # fmt: skip
     loss.backward()
     expected = [p.grad.clone() for p in params]
 
+    read, batches = [], trainer._reply_batches
+    monkeypatch.setattr(trainer, "_reply_batches", lambda items: (read.extend(items), batches(items))[1])
     with trainer._reusing_prompts([s.prompt_ids for s in samples]) if in_step else nullcontext():
         assert bool(trainer._step_caches) == in_step
         stats = trainer._pass(samples, 0.0, teacher, actions, reference, full)  # zeroes the gradients first
+    replies = [(s.prompt_ids, s.response_ids) for s in samples]
+    acted = [] if actions is None else [(s.prompt_ids, a) for s, a in zip(samples, actions, strict=True) if a]
+    assert sorted(read) == sorted(replies[: 3 if kl_weight == 0 else 4] + acted)  # each once; t4 only under the KL
     assert stats["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
     assert any(float(e.abs().sum()) > 0 for e in expected)
     for p, e in zip(params, expected, strict=True):  # batched, the sums run in another order
@@ -424,11 +432,16 @@ def test_the_contrast_binds_each_value_to_its_own_request_where_the_likelihood_r
     assert stats["contrast_pairs"] == 2
 
 
-def test_inside_a_step_the_contrast_reads_its_actions_in_batches_with_the_gradient_one_at_a_time_gives(tiny_model,
-                                                                                                     monkeypatch):  # fmt: skip
-    monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)  # two batches, the last of one action
-    objective = build_objective("combined", hindsight="action", contrast_weight=1.0)
-    trainer = LoraTrainer.load(str(tiny_model), LORA, objective, device="cpu")
+@pytest.mark.parametrize("in_step", [False, True])
+def test_a_pass_adds_the_contrast_from_the_same_read_of_each_teacher_action_as_the_objective(tiny_model, in_step,
+                                                                                           monkeypatch):  # fmt: skip
+    """Each teacher action is read once a pass, and that read gives both its likelihood's term of the objective
+    and its contrasts (:meth:`LoraTrainer._contrast_loss`): the pass's gradient is the gradient of the objective
+    plus ``contrast_weight`` times the mean contrast, over every graph at once; inside a step, the actions read
+    in batches (two here, the last of one row)."""
+    monkeypatch.setattr(trainer_module, "REPLY_BATCH", 2)
+    objective = build_objective("combined", hindsight="action", contrast_weight=2.0, rl_negative_weight=0.25)
+    trainer = LoraTrainer.load(str(tiny_model), LORA.model_copy(update={"max_grad_norm": 1e9}), objective, device="cpu")
     adapter_with_effect(trainer)
     actions = [call_ids(trainer, "now", timezone=city) for city in ("Lisbon", "Sydney", "Asia/Tokyo")]
     samples = []
@@ -438,16 +451,26 @@ def test_inside_a_step_the_contrast_reads_its_actions_in_batches_with_the_gradie
     contrasts = trainer._contrasts(actions)
     assert len(contrasts) == 3
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    grads, stats = [], []
-    for in_step in (False, True):
-        trainer.model.zero_grad(set_to_none=True)
-        with trainer._reusing_prompts([s.prompt_ids for s in samples]) if in_step else nullcontext():
-            stats.append(trainer._contrast(samples, actions, contrasts))
-        grads.append([p.grad.clone() for p in params])
-    assert stats[1] == pytest.approx(stats[0], rel=1e-4) and stats[0]["contrast_pairs"] == 6
-    assert any(float(g.abs().sum()) > 0 for g in grads[0])
-    for batched, single in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-6)
+
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    student = [trainer.response_logprobs(s.prompt_ids, s.response_ids) for s in samples]
+    read = [trainer.response_distributions(s.prompt_ids, a) for s, a in zip(samples, actions, strict=True)]
+    learnt = [_pick(d, a) for d, a in zip(read, actions, strict=True)]
+    loss, _ = objective.loss(trainer._token_batch(samples, 0.0, [None] * 3, actions, None, student, None, learnt))
+    margins = [torch.nn.functional.softplus(read[i][at, token] - read[i][at, actions[i][at]])
+               for i, others in contrasts for at, token in others]  # fmt: skip
+    (loss + 2.0 * torch.stack(margins).mean()).backward()
+    expected = [p.grad.clone() for p in params]
+
+    with trainer._reusing_prompts([s.prompt_ids for s in samples]) if in_step else nullcontext():
+        stats = trainer._pass(samples, 0.0, [None] * 3, actions, None, False, contrasts=contrasts)
+    assert stats["contrast_pairs"] == 6
+    assert stats["contrast_loss"] == pytest.approx(float(torch.stack(margins).detach().mean()), rel=1e-4)
+    assert stats["loss"] == pytest.approx(float(loss.detach()), rel=1e-4)
+    assert any(float(e.abs().sum()) > 0 for e in expected)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-3 if in_step else 1e-4, atol=1e-6 if in_step else 1e-7)
 
 
 def test_sgd_moves_each_adapter_weight_by_its_gradient_where_a_fresh_adamw_moves_each_by_the_learning_rate(
