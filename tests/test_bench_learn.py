@@ -7,6 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,11 +70,17 @@ class FakeTask:
 
 
 class FakeUser:
+    def __init__(self, n: int | None = None) -> None:
+        self.n = n  # the interaction it replies in
+
     def satisfied(self, task: Any, answer: str) -> bool:
         return answer == "right"
 
     def reply(self, task: Any, answer: str) -> str:
         return "Thanks!" if answer == "right" else "No, I meant Lisbon time."
+
+    def interaction(self, n: int) -> FakeUser:
+        return FakeUser(n)
 
 
 class FakeServer:
@@ -150,6 +157,46 @@ def test_a_weights_arm_asks_for_a_step_at_each_checkpoint_and_waits_for_it_befor
     assert [p["interactions"] for p in result.curve] == [0, 4, 6]
     run_arm("memory", memory, tasks, FakeUser(), plan, settle_s=0, advance=lambda n: None)
     assert memory.asked == []  # lessons only: no weights to train
+
+
+@pytest.mark.parametrize("arm", ["lora", "memory_lora"])
+def test_an_arm_without_lessons_runs_a_blocks_interactions_at_once_and_one_with_lessons_one_at_a_time(tmp_path, arm):
+    """``lora``'s policy changes only in the step asked for at a checkpoint, so a block's interactions run together
+    (the server decodes them in one batch), each with the user of its own index and its own seed; an arm that keeps
+    lessons serves each with the lessons of the ones before it, one at a time. Either way the step is asked for
+    after the block's last reply, and the block's interactions are the same ones."""
+
+    class Overlapping(FakeServer):
+        def __init__(self) -> None:
+            super().__init__(needed=100)
+            self.lock, self.open, self.most, self.seeds = threading.Lock(), 0, 0, []
+
+        def chat(self, session: str, messages: list[dict[str, str]], **params: Any) -> str:
+            with self.lock:
+                self.open += 1
+                self.most = max(self.most, self.open)
+                if len(messages) == 1 and params.get("temperature") != 0:
+                    self.seeds.append(params["seed"])
+            time.sleep(0.05)  # long enough for the others of a block to arrive
+            with self.lock:
+                self.open -= 1
+                return super().chat(session, messages, **params)
+
+    plan = make_plan(tmp_path, interactions=8, every=4)
+    tasks = Tasks([FakeTask(f"t{i}") for i in range(8)], [FakeTask("h0")], [FakeTask("g0")], [])
+    users: list[int | None] = []
+
+    class Counted(FakeUser):
+        def interaction(self, n: int) -> FakeUser:
+            users.append(n)
+            return super().interaction(n)
+
+    server = Overlapping()
+    run_arm(arm, server, tasks, Counted(), plan, settle_s=0, advance=lambda n: None)
+    assert server.asked == [4, 8]  # every interaction of the block had its replies before the step
+    assert sorted(users) == list(range(1, 9))
+    assert sorted(server.seeds) == [3_000_000 + i for i in range(1, 9)]
+    assert (server.most > 1) == (arm == "lora")
 
 
 def test_a_busy_learner_without_progress_past_the_plans_idle_timeout_stops_the_bench_with_the_flag_to_raise_it(tmp_path):

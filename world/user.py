@@ -21,9 +21,14 @@ GENERAL_CORRECTION = ("That's wrong.", "No, that's not right.", "That's not what
 
 
 class SimulatedUser:
-    def __init__(self, profile: Profile, seed: int = 0) -> None:
-        self.profile = profile
-        self.rng = random.Random(f"{seed}:user:{profile.name}")
+    def __init__(self, profile: Profile, seed: int = 0, interaction: int | None = None) -> None:
+        self.profile, self.seed = profile, seed
+        self.rng = random.Random(f"{seed}:user:{profile.name}" + ("" if interaction is None else f":{interaction}"))
+
+    def interaction(self, n: int) -> SimulatedUser:
+        """The user as they reply in interaction ``n``, with a generator of their own: what they draw there does
+        not depend on how many draws the interactions before it took, or on whether those ran at the same time."""
+        return SimulatedUser(self.profile, self.seed, n)
 
     def satisfied(self, task: Task, answer: str) -> bool:
         """Whether the answer, as the user reads it, does what they asked."""
