@@ -139,6 +139,9 @@ def test_an_arm_measures_at_every_checkpoint_after_the_learner_is_idle_and_never
     assert (result.adapters_promoted, result.lessons, result.adapter) == (1, 8, "global-0001")
     # the learner's steps, and their time by phase summed over them
     assert (result.steps, result.step_seconds) == (2, {"train": 3.5, "pinned_after": 0.5})
+    # and where the arm's own wall time went, as the bench spent it
+    assert set(result.seconds) == {"interacting", "learner", "measuring"}
+    assert sum(result.seconds.values()) <= result.wall_s + 0.01
     assert sum(steps) == plan.units_per_arm("memory") == 6 + 2 * 3 + 2 * 2 + 2 * 2
     trained = [s for s in server.sessions.values() if len(s) >= 2]
     evaluated = [s for s in server.sessions.values() if len(s) == 1]

@@ -226,6 +226,9 @@ class ArmResult:
     steps: int = 0  # training steps made (candidates, whatever the gate decided)
     deferred: int = 0  # samples untrained at the end: their lineage waits for more (learner.backoff)
     step_seconds: dict[str, float] = field(default_factory=dict)  # their time by phase, summed
+    # the arm's wall time as the bench spent it: interacting (the user's requests and replies), waiting for the
+    # learner at the checkpoints (judging, lessons, the steps), measuring (held-out, general, chat probe)
+    seconds: dict[str, float] = field(default_factory=dict)
     # what was missed: the held-out tasks at each checkpoint; the general tasks and the chat probe
     # before and after (what learning broke is what is missed after and was not before)
     missed: list[dict[str, Any]] = field(default_factory=list)  # [{"interactions": n, "missed": [...]}]
@@ -267,6 +270,7 @@ class ArmResult:
             "steps": self.steps,
             "deferred": self.deferred,
             "step_seconds": self.step_seconds,
+            "seconds": {phase: round(value, 1) for phase, value in self.seconds.items()},
             "missed": {"heldout": self.missed, "general": self.general_missed, "chat": self.chat_missed},
         }
 
@@ -313,8 +317,17 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
         advance(n)
         _go_on(stop)
 
+    @contextlib.contextmanager
+    def timed(phase: str) -> Iterator[None]:
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            result.seconds[phase] = result.seconds.get(phase, 0.0) + time.perf_counter() - begun
+
     def checkpoint(interactions: int) -> None:
-        result.measure(interactions, success_rate(client, tasks.heldout, tick))
+        with timed("measuring"):
+            result.measure(interactions, success_rate(client, tasks.heldout, tick))
         if measured is not None:
             measured(result)
 
@@ -326,28 +339,33 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
     result = ArmResult(name)
     learns, trains, keeps = ARM_LEARNING[name]
     at_once = EVAL_CONCURRENCY if trains and not keeps else 1
-    wait_idle(client, settle_s, plan.idle_timeout_s, stop)
-    result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, tick)
-    result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, tick)
+    with timed("learner"):
+        wait_idle(client, settle_s, plan.idle_timeout_s, stop)
+    with timed("measuring"):
+        result.general_before, result.general_missed["before"] = success_rate(client, tasks.general, tick)
+        result.chat_before, result.chat_missed["before"] = chat_rate(client, tasks.chat, tick)
     checkpoint(0)
     done = 0
     for end in plan.checkpoints()[1:] if learns else []:
         block = list(enumerate(tasks.training[done:end], start=done + 1))
-        if at_once > 1:
-            with ThreadPoolExecutor(at_once, thread_name_prefix=f"whet-bench-{name}") as pool:
-                list(pool.map(lambda item: one(*item), block))
-        else:
-            for i, task in block:
-                one(i, task)
+        with timed("interacting"):
+            if at_once > 1:
+                with ThreadPoolExecutor(at_once, thread_name_prefix=f"whet-bench-{name}") as pool:
+                    list(pool.map(lambda item: one(*item), block))
+            else:
+                for i, task in block:
+                    one(i, task)
         done = end
-        if trains:
-            client.train()
-        wait_idle(client, settle_s, plan.idle_timeout_s, stop)
+        with timed("learner"):
+            if trains:
+                client.train()
+            wait_idle(client, settle_s, plan.idle_timeout_s, stop)
         checkpoint(end)
     if not learns:
         checkpoint(plan.interactions)
-    result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, tick)
-    result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, tick)
+    with timed("measuring"):
+        result.general_after, result.general_missed["after"] = success_rate(client, tasks.general, tick)
+        result.chat_after, result.chat_missed["after"] = chat_rate(client, tasks.chat, tick)
     health = client.health()
     learner = health.get("learner") or {}
     result.adapters_promoted = learner.get("promoted", 0)
