@@ -417,6 +417,10 @@ class RehearsalConfig(Section):
 
 
 class LearnerConfig(Section):
+    # The field defaults here are the learner's plain form, which the unit tests build on. config/whet.yaml, which
+    # every entrypoint loads first, ships the setting tuned on the default model (SmolLM2-135M, stop 77): the
+    # contrast, the hold to the base model and the repair on, 8 passes a step on the top 15 layers, the hints of
+    # turned-away steps taught again; the comments below say what each one does and the runs that measured it.
     # run the learner inside `whet serve` (false: run `whet learn` elsewhere, or no learning)
     enabled: bool = True
     # one adapter for everyone (global), or one per user (user, multi-LoRA); auto = user when

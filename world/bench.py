@@ -71,8 +71,9 @@ LEARNER_OVERRIDES: dict[str, Any] = {"batch_size": 32, "batch_timeout_s": 900, "
 # A few dozen interactions give about a dozen optimizer steps: the LoRA learning rate is raised
 # from the default (tuned for billion-parameter models) to one that moves the demo policy. At 5e-4
 # a step turned pinned chats into tool calls and the gate rejected it (bench/results/RUNS.md, stop 34),
-# until the rehearsal's anchor held small talk's odds of a call (learner.rehearsal.anchor_weight, stops 39-41).
-LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 5e-4}
+# until the rehearsal's anchor held small talk's odds of a call (learner.rehearsal.anchor_weight, stops 39-41);
+# 2e-3 with the hold to the base model (learner.rehearsal.kl_weight) and the repair since stop 68 (run EO on).
+LORA_OVERRIDES: dict[str, Any] = {"learning_rate": 2e-3}
 DEFAULTS = {"interactions": 32, "every": 8, "heldout": 24, "general": 16, "chat": 12}
 QUICK = {"interactions": 4, "every": 2, "heldout": 3, "general": 3, "chat": 2}  # CI scale
 THRESHOLD = 0.9
