@@ -1,7 +1,8 @@
 """What a weights step costs with one of its parts read in batches and read one at a time.
 
-A weights step reads, every pass, its samples' replies (once without gradients for the objective, once more to
-carry its gradient into the adapter), the rehearsal items' replies, and the anchored prompts' openings (the
+A weights step reads, every pass, its samples' replies and teacher actions (once each, with their graphs, since
+stop 77; before, once without gradients for the objective and once more to carry its gradient into the adapter),
+the rehearsal items' replies, and the anchored prompts' openings (the
 rehearsal set's small talk, 48 chats and answers read off a tool, and the step's drawn calls: each one's reply's
 first token). One at a time each is a short forward and backward pass, much of it per-call overhead on a CPU; the
 trainer reads them in batches, each batch's prompts' keys and values stacked, left-padded to the longest:

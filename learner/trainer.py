@@ -315,7 +315,7 @@ class LoraTrainer:
         not of plain layers) one item at a time, in order.
 
         Why: one at a time, a pass is a few tens of tokens through every layer and the vocabulary, and a step
-        reads each sample twice and each rehearsal item once a pass. 16 rehearsal items' forward and backward
+        reads each sample, teacher action and rehearsal item once a pass. 16 rehearsal items' forward and backward
         passes on one core of a Zen 4 EPYC (SmolLM2, bfloat16): 8.2 s one at a time, 6.4 s four a batch taken
         shortest first, 7.9 s eight a batch; taken in their own order, eight a batch padded 600 tokens to 880 and
         gained nothing (bench/results/RUNS.md, stop 76)."""
