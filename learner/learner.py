@@ -41,8 +41,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean, pvariance
@@ -52,6 +51,7 @@ import anyio
 import structlog
 
 from whet.config.settings import ConfigError, LearnerConfig, WhetConfig
+from whet.learner.clock import PhaseClock
 from whet.learner.gate import (
     ANSWER_OPENING,
     PinnedAction,
@@ -655,7 +655,7 @@ class Learner:
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_replayed_hints`),
         :meth:`_sample`'s."""
-        clock = _Clock(self._begun)
+        clock = PhaseClock(self._begun)
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
             trainer = self._trainer_now()
         parent = _parent_state(live)
@@ -1341,22 +1341,3 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         recall=(lambda user_id, query: recall(index, config.agent, user_id, query)) if index is not None else None,
         index=index,
     )
-
-
-class _Clock:
-    """Wall seconds by phase: ``with clock("train"): ...`` adds the block's time to ``seconds["train"]``;
-    ``begun(phase)`` is called as each block begins."""
-
-    def __init__(self, begun: Callable[[str], None] | None = None) -> None:
-        self.seconds: dict[str, float] = {}
-        self.begun = begun
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        if self.begun is not None:
-            self.begun(phase)
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)

@@ -50,6 +50,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from whet.config.settings import ConfigError, WhetConfig, read_config_file
+from whet.learner.clock import PhaseClock
 from whet.learner.prompt import parse_arguments
 
 # what each arm lets the learner change: (learner runs, weights train, lessons kept)
@@ -318,14 +319,6 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
         advance(n)
         _go_on(stop)
 
-    @contextlib.contextmanager
-    def timed(phase: str) -> Iterator[None]:
-        begun = time.perf_counter()
-        try:
-            yield
-        finally:
-            result.seconds[phase] = result.seconds.get(phase, 0.0) + time.perf_counter() - begun
-
     def checkpoint(interactions: int) -> None:
         with timed("measuring"):
             result.measure(interactions, success_rate(client, tasks.heldout, tick))
@@ -338,6 +331,8 @@ def run_arm(name: str, client: ArmClient, tasks: Tasks, user: User, plan: Plan, 
 
     started = time.perf_counter()
     result = ArmResult(name)
+    timed = PhaseClock()
+    result.seconds = timed.seconds
     learns, trains, keeps = ARM_LEARNING[name]
     at_once = EVAL_CONCURRENCY if trains and not keeps else 1
     with timed("learner"):
