@@ -679,29 +679,22 @@ class LoraTrainer:
         for batch in self._reply_batches(read):
             live_logp, live_dists, live_learnt = list(logp), None if dists is None else list(dists), list(learnt)
             margins = torch.zeros((), device=self.device)
-            for j, d in batch:  # [T, V]
+            for j, d in batch:  # [T, V]; kept detached as read, for the statistics and the batches after this one
                 act, i = where[j]
+                picked = _pick(d, read[j][1])
                 if act:
-                    live_learnt[i] = _pick(d, read[j][1])
+                    live_learnt[i], learnt[i] = picked, picked.detach()
                     margins = margins + self._contrast_loss(d, read[j][1], others.get(i, ()))
                 else:
-                    live_logp[i] = _pick(d, read[j][1])
-                    if live_dists is not None:
-                        live_dists[i] = d
+                    live_logp[i], logp[i] = picked, picked.detach()
+                    if dists is not None and live_dists is not None:
+                        live_dists[i], dists[i] = d, d.detach()
             loss, _ = self.objective.loss(taken(live_logp, live_dists, live_learnt))
             if pairs:
                 loss = loss + self._contrast_weight * margins / pairs
                 contrast += float(margins.detach())
             if loss.requires_grad:
                 loss.backward()
-            for j, _ in batch:  # as read, for the statistics and the batches after this one
-                act, i = where[j]
-                if act:
-                    learnt[i] = live_learnt[i].detach()
-                else:
-                    logp[i] = live_logp[i].detach()
-                    if dists is not None and live_dists is not None:
-                        dists[i] = live_dists[i].detach()
         with torch.no_grad():
             _, stats = self.objective.loss(taken(logp, dists, learnt))
         if pairs:
