@@ -797,8 +797,8 @@ class Learner:
         by more than ``gate.pinned_tie_margin`` nats at their closest token (the replies the gate's greedy check
         would count; a near tie the noise of any step tips, run EQ, it does not), each with how many of its tokens
         are watched: a tool call whole, an answer read off a tool's result to :func:`_answer_window`. Taken round
-        robin over the tools they call or read (a tool's calls and its answers apart), the closest first; read
-        once, under the base weights.
+        robin over the tools they call or read (a tool's calls and its answers apart, and its answers by the word they
+        open with, :func:`_answer_form`), the closest first; read once, under the base weights.
 
         Answers too, because the gate holds them: run ES turned away three of alex's steps in a row, each for one
         pinned answer (the date that "Which date is 78 days from 2027-01-02?" reads off ``add_to_date``), which
@@ -813,7 +813,8 @@ class Learner:
                 if tools:
                     watchable.append((item, min(tools), len(item[1])))
                 elif read:
-                    watchable.append((item, f"{read}, answered", _answer_window(trainer.tokenizer, item[1])))
+                    form = f"{read}, answered {_answer_form(trainer.tokenizer, item[1])}".rstrip()
+                    watchable.append((item, form, _answer_window(trainer.tokenizer, item[1])))
             if watchable:
                 with trainer.model.disable_adapter():
                     gaps = trainer.reply_gaps([p for (p, _), _, _ in watchable], [r[:n] for (_, r), _, n in watchable])
@@ -1162,6 +1163,17 @@ def _answer_window(tokenizer: Any, reply: list[int]) -> int:
     token that writes a digit (an answer's numbers are what the gate's greedy check holds it to)."""
     digits = [i for i, token in enumerate(reply) if any(c.isdigit() for c in tokenizer.decode([token]))]
     return max(min(len(reply), ANSWER_OPENING), digits[-1] + 1 if digits else 0)
+
+
+def _answer_form(tokenizer: Any, reply: list[int]) -> str:
+    """The word an answer read off a tool's result opens with, lower-cased, or "" when it holds a digit (a
+    value, not a form): a tool's answers take a few forms, and the repair watches each, because a step
+    can move one form into another's place. Run FJ's ``memory_lora`` answered an ``add_note`` call that put
+    a reminder on the errands list "Saved the note: pick up the parcel." (a note's form), which does not
+    name the list; its two watched ``add_note`` answers could both be of one form."""
+    words = tokenizer.decode(reply).split(maxsplit=1)
+    word = words[0].strip(".,:;!?\"'").lower() if words else ""
+    return "" if any(c.isdigit() for c in word) else word
 
 
 def _called_values(tokenizer: Any, response: list[int]) -> set[str]:

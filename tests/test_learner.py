@@ -17,7 +17,7 @@ from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner import trainer as trainer_module
 from whet.learner.gate import PinnedAction
 from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
-from whet.learner.learner import REPAIR_REACH, TRAINER_STATE, Learner
+from whet.learner.learner import REPAIR_REACH, TRAINER_STATE, Learner, _answer_form, _answer_window
 from whet.learner.model import stop_token_ids
 from whet.learner.objective import blamed_tokens, build_objective, objective_from_config
 from whet.learner.prompt import hinted_prompt_ids, prompt_text, prompt_with_lessons, relessoned
@@ -652,6 +652,26 @@ def test_the_learner_repairs_the_rehearsal_calls_the_base_writes_that_the_candid
     learner.config.rehearsal.repair_calls = 0
     learner._watched = None
     assert learner._watched_calls(trainer) == [] and learner._repair(trainer, []) == [0]  # type: ignore[list-item]
+
+
+def test_the_repair_watches_each_form_of_a_tools_answers(tiny_model, tmp_path):
+    """A tool's answers read off its result are watched by the word they open with (a value's digits are
+    no form): two ``add_note`` answers opening "Saved" sit closer to a tie than the one opening "Added", and
+    with two watched, one of each is (the forms in turn, by name), so that a step that writes a list's todo in a note's form is seen."""
+    config = learner_config(rehearsal={"repair_passes": 1, "repair_calls": 2})
+    learner = make_learner(config, None, None, tiny_model, tmp_path)  # type: ignore[arg-type]
+    trainer = learner._trainer_now()
+    said = ["Saved the note: Maria likes tulips.", "Saved the note: the spare key is in the shed.",
+            'Added "call the bank" to your camping list.']
+    items = [(encode_turn(trainer, f"Note {i}", "x")[1], trainer.tokenizer.encode(a, add_special_tokens=False))
+             for i, a in enumerate(said)]  # fmt: skip
+    learner._rehearsal, learner._rehearsal_tools = items, [set()] * 3
+    learner._rehearsal_reads = ["add_note"] * 3
+    trainer.reply_gaps = lambda ps, rs: [[g] for g in (0.6, 0.7, 2.0)]
+    assert learner._watched_calls(trainer) == [(items[2], _answer_window(trainer.tokenizer, items[2][1])),
+                                               (items[0], _answer_window(trainer.tokenizer, items[0][1]))]
+    assert [_answer_form(trainer.tokenizer, r) for _, r in items] == ["saved", "saved", "added"]
+    assert _answer_form(trainer.tokenizer, trainer.tokenizer.encode("2027-02-15 is a Monday.")) == ""
 
 
 @pytest.mark.anyio
