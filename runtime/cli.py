@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     learning.add_argument("--heldout", type=_positive, help="held-out personal tasks per measurement (default 24)")
     learning.add_argument("--general", type=_positive, help="general tasks, before and after (default 16)")
     learning.add_argument("--chat", type=_positive, help="chat-probe requests (no tool needed), before and after (default 12)")
-    learning.add_argument("--lora-lr", type=float, help="the learner's LoRA learning rate in the arms (default 5e-4)")
+    learning.add_argument("--lora-lr", type=float, help="the learner's LoRA learning rate in the arms (default 2e-3)")
     learning.add_argument("--model", help="HF model id or local folder (default: the config's model.id)")
     learning.add_argument("--arms", type=_arms, default="static,memory,lora,memory_lora",
                           help="comma-separated subset of static,memory,lora,memory_lora")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,15 @@ def test_whet_serve_on_a_port_in_use_says_so_before_loading_anything_and_exits_1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port N" in done.stderr
     assert "whet ready" not in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "data" / "models" / "tiny").exists()  # refused before the model was loaded (or built)
+
+
+def test_whet_bench_learn_help_states_the_learning_rate_the_arms_train_at():
+    from whet.world.bench import LORA_OVERRIDES
+
+    done = whet("bench", "learn", "--help")
+    assert done.returncode == 0, done.stderr
+    stated = re.search(r"learning rate in the arms \(default ([^)]+)\)", " ".join(done.stdout.split()))
+    assert stated and float(stated[1]) == LORA_OVERRIDES["learning_rate"]
 
 
 def test_whet_bench_perf_hands_every_option_to_bench_perf_py():
