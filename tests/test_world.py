@@ -206,6 +206,53 @@ def test_the_warm_start_deals_its_intents_in_even_rounds_the_calculator_twice(tm
         tools.close()
 
 
+def test_the_warm_start_can_show_distractor_lessons_as_retrieval_ranks_them(tmp_path):
+    """With a ranker, each request's distractors are the nearest to it of ``lookalikes`` times as many lessons
+    of any personal intent, nearest first; the lesson that answers it (the ``lesson`` kind) is still shown beside them."""
+    from whet.memory.index import HashingEmbedder, lesson_keys
+    from whet.world.conversations import BundledTools, ExampleMaker, retrieval_ranker
+    from whet.world.tasks import NATURAL
+
+    asked: list[tuple[str, list[str], list[float]]] = []
+
+    def rank(request, lessons):
+        scores = [float(len(text) % 97) for text in lessons]  # any order but the drawn one
+        asked.append((request, list(lessons), scores))
+        return scores
+
+    tools = BundledTools(tmp_path)
+    try:
+        maker = ExampleMaker(tools, 0, NATURAL, chats=[("Hi!", "Hello.")], rank=rank, lookalikes=5)
+        checked = 0
+        for _ in range(120):
+            before = len(asked)
+            example = maker.example()
+            if len(asked) == before:
+                continue
+            request, pool, scores = asked[-1]
+            system = example.messages[0]["content"]
+            distractors = sorted({text for text in pool if f"- {text}" in system}, key=lambda t: system.index(f"- {t}"))
+            n = len(distractors)
+            assert len(pool) == 5 * n and request == example.messages[1]["content"]
+            assert distractors == [pool[i] for i in sorted(range(len(pool)), key=lambda i: -scores[i])[:n]]
+            assert system.count("\n- ") == n + (example.kind == "lesson")  # the lesson kind shows one more: its own
+            checked += 1
+        assert checked > 20
+    finally:
+        tools.close()
+    embedder = HashingEmbedder()
+    lesson = 'When asked "What time is it at home?": calling now({"timezone": "Lisbon"}) was right.'
+    [score] = retrieval_ranker(embedder)("What time is it at home?", [lesson])
+    assert abs(score - float(embedder.embed(["What time is it at home?"])[0] @ embedder.embed([lesson_keys(lesson)[0]])[0])) < 1e-5
+    (tmp_path / "other").mkdir()
+    tools = BundledTools(tmp_path / "other")
+    try:
+        with pytest.raises(ValueError, match="lookalikes"):
+            ExampleMaker(tools, 0, NATURAL, rank=rank)
+    finally:
+        tools.close()
+
+
 def test_training_values_are_far_wider_than_what_the_simulated_users_say():
     from whet.servers.clock import resolve_timezone
     from whet.world.conversations import training_vocabulary

@@ -36,7 +36,7 @@ import asyncio
 import json
 import random
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -47,6 +47,7 @@ from whet.config.settings import AgentConfig
 from whet.learner.judge import correction_hint
 from whet.learner.lessons import lesson_text
 from whet.learner.prompt import openai_tool_spec, render_tool_result, with_hint, with_lessons
+from whet.memory.index import Embedder, lesson_keys
 from whet.world.tasks import (
     DISTANCE_UNITS,
     GENERAL,
@@ -199,6 +200,28 @@ ACKNOWLEDGEMENTS = ("Thanks!", "Great, thanks.", "Thank you!", "Thanks a lot.", 
 ACK_REPLIES = ("Glad to help.", "Any time!", "Let me know if you need anything else.", "Happy to help.")
 
 
+Ranker = Callable[[str, Sequence[str]], Sequence[float]]
+"""(a request, lesson texts) -> each lesson's similarity to the request, as retrieval scores it."""
+
+
+def retrieval_ranker(embedder: Embedder) -> Ranker:
+    """A :data:`Ranker` that scores as the agent's lesson search does: a lesson by the closer of its keys
+    (:func:`~whet.memory.index.lesson_keys`) to the request, by ``embedder``'s cosine similarity."""
+
+    def rank(request: str, lessons: Sequence[str]) -> list[float]:
+        keys = [lesson_keys(text) for text in lessons]
+        flat = [key for group in keys for key in group]
+        vectors = embedder.embed([request, *flat])  # unit rows
+        scores = vectors[1:] @ vectors[0]
+        out, i = [], 0
+        for group in keys:
+            out.append(float(scores[i: i + len(group)].max()))
+            i += len(group)
+        return out
+
+    return rank
+
+
 @dataclass
 class Example:
     kind: str
@@ -280,13 +303,20 @@ def answer_for(task: Task, call: ToolUse, result: str) -> str:
 
 
 class ExampleMaker:
-    """``chats``: (request, answer) pairs for the ``chat`` kind; without them that kind is not drawn."""
+    """``chats``: (request, answer) pairs for the ``chat`` kind; without them that kind is not drawn.
+
+    ``rank`` and ``lookalikes``: with a ranker, each distractor lesson is the nearest to the request, as retrieval
+    scores it, of ``lookalikes`` candidates of any personal intent (:meth:`_distractors`); without one,
+    distractors are drawn by neighbouring intent."""
 
     def __init__(self, tools: BundledTools, seed: int, vocab: Vocabulary,
-                 chats: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+                 chats: Sequence[tuple[str, str]] = (), rank: Ranker | None = None, lookalikes: int = 0) -> None:  # fmt: skip
+        if rank is not None and lookalikes < 1:
+            raise ValueError(f"lookalikes must be at least 1 with a ranker, not {lookalikes}")
         self.tools = tools
         self.vocab = vocab
         self.chats = list(chats)
+        self.rank, self.lookalikes = rank, lookalikes
         self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
         # a round of kinds, and of general intents; each deck holds what is left of its round (:meth:`_deal`)
@@ -328,21 +358,39 @@ class ExampleMaker:
             return lesson_text(task.text, hint=correction_hint(task.correction))
         return success_lesson(task)
 
-    def _distractors(self, n: int, avoid: Task | None, near: Task | None = None) -> list[str]:
+    def _distractors(self, n: int, avoid: Task | None, near: Task | None = None, request: str | None = None) -> list[str]:
         """``n`` lessons that do not answer ``avoid``'s request. Beside ``near``, most are of the
         intents that read like it (:data:`NEIGHBOURS`), as similarity retrieval brings them: a
         lesson about the time at home beside "What time is it in Cairo?", another person's city
         beside a question about Sam. The policy learns that the value a request names, or the
-        lesson about *this* request, wins over a lesson that only looks alike."""
+        lesson about *this* request, wins over a lesson that only looks alike.
+
+        With a ranker (``self.rank``) and the ``request`` they are shown to, they are the ``n`` nearest to it of
+        ``n * lookalikes`` lessons of any personal intent, nearest first: what retrieval shows a request,
+        whatever its intent. Drawn by intent, a date sum was rarely shown a time lesson, nor a chat any lesson like it, and
+        in bench runs both were (run FK: "What date is 23 days after 2027-07-02?", shown jun's time lessons,
+        called ``now(Seoul)``; bench/results/RUNS.md, stop 78)."""
+        if self.rank is not None and request is not None and n > 0:
+            pool = self._lessons_of(n * self.lookalikes, avoid, None, any_personal=True)
+            scores = self.rank(request, pool)
+            return [pool[i] for i in sorted(range(len(pool)), key=lambda i: -scores[i])[:n]]
+        return self._lessons_of(n, avoid, near)
+
+    def _lessons_of(self, n: int, avoid: Task | None, near: Task | None, any_personal: bool = False) -> list[str]:
+        """:meth:`_distractors` by intent; ``any_personal``: of any personal intent, what a user's lessons are about (a
+        general request's right call passes only what it said, and teaches none: ``learner.lessons.says_more``)."""
         out = []
         while len(out) < n:
-            pool = NEIGHBOURS[near.intent] if near is not None and self.rng.random() < 0.75 else PERSONAL + GENERAL
+            if any_personal:
+                pool = PERSONAL
+            else:
+                pool = NEIGHBOURS[near.intent] if near is not None and self.rng.random() < 0.75 else PERSONAL + GENERAL
             intent = self.rng.choice(pool)
             other = make_task(intent, self.rng, random_profile(self.rng, self.vocab), vocab=self.vocab)
             if avoid is not None and other.intent == avoid.intent and (
                     other.call == avoid.call or other.meta.get("person") == avoid.meta.get("person")):
                 continue  # the same request with another value would contradict the lesson that answers it
-            if other.personal or near is not None or self.rng.random() < 0.5:
+            if other.personal or near is not None or any_personal or self.rng.random() < 0.5:
                 out.append(self._lesson(other))
         return out
 
@@ -361,7 +409,7 @@ class ExampleMaker:
         kind = self._deal("kinds", self._kind_round)
         if kind == "chat":
             request, answer = self.rng.choice(self.chats)
-            lessons = self._distractors(self.rng.randint(1, 3), None) if self.rng.random() < 0.4 else []
+            lessons = self._distractors(self.rng.randint(1, 3), None, request=request) if self.rng.random() < 0.4 else []
             messages = [{"role": "system", "content": with_lessons(self.system, lessons)},
                         {"role": "user", "content": request}, {"role": "assistant", "content": answer}]
             return Example(kind, messages, self.tools.specs)
@@ -373,13 +421,14 @@ class ExampleMaker:
         lessons: list[str] = []
         user = task.text
         if kind in ("general", "guess") and self.rng.random() < 0.6:
-            lessons = self._distractors(self.rng.randint(1, 3), task if kind == "guess" else None, near=task)
+            lessons = self._distractors(self.rng.randint(1, 3), task if kind == "guess" else None, near=task,
+                                        request=task.text)  # fmt: skip
         elif kind == "lesson":
             # the lesson came from an earlier request of the same intent (and person), phrased differently
             same = replace(profile, people={task.meta["person"]: profile.people[task.meta["person"]]}) \
                 if "person" in task.meta else profile
             lesson = self._lesson(make_task(intent, self.rng, same, vocab=self.vocab))
-            lessons = self._distractors(self.rng.randint(0, 3), task, near=task)
+            lessons = self._distractors(self.rng.randint(0, 3), task, near=task, request=task.text)
             # retrieval ranks by similarity, so the relevant lesson is usually first
             lessons.insert(0 if self.rng.random() < 0.7 else self.rng.randint(0, len(lessons)), lesson)
         elif kind == "hint":
@@ -420,16 +469,17 @@ def _preference_args(task: Task, vocab: Vocabulary, other: bool = False) -> dict
     return {key: value}
 
 
-def examples(n: int, seed: int = 0, vocab: Vocabulary | None = None,
-             chats: Sequence[tuple[str, str]] = ()) -> Iterator[Example]:  # fmt: skip
+def examples(n: int, seed: int = 0, vocab: Vocabulary | None = None, chats: Sequence[tuple[str, str]] = (),
+             rank: Ranker | None = None, lookalikes: int = 0) -> Iterator[Example]:  # fmt: skip
     """``n`` training conversations, deterministic per seed (the clock is simulated).
 
     ``vocab``: the values tasks are made of (default :func:`training_vocabulary`); ``chats``:
-    (request, answer) pairs for the ``chat`` kind (none: no chat examples)."""
+    (request, answer) pairs for the ``chat`` kind (none: no chat examples); ``rank``, ``lookalikes``:
+    distractor lessons as retrieval ranks them (:class:`ExampleMaker`)."""
     with tempfile.TemporaryDirectory(prefix="whet-sft-") as folder:
         tools = BundledTools(Path(folder))
         try:
-            maker = ExampleMaker(tools, seed, vocab or training_vocabulary(), chats)
+            maker = ExampleMaker(tools, seed, vocab or training_vocabulary(), chats, rank, lookalikes)
             for _ in range(n):
                 yield maker.example()
         finally:

@@ -52,6 +52,9 @@ class Recipe:
     batch_size: int = 8
     learning_rate: float = 1e-4
     layers: int | None = None  # train only the top N layers (None: all)
+    # > 0: distractor lessons as retrieval ranks them, each the nearest by MiniLM of this many of any personal intent
+    # (world.conversations.ExampleMaker); 0: by neighbouring intent. Not measured on the bench yet (stop 78).
+    lookalikes: int = 0
     seed: int = 0
 
 
@@ -176,10 +179,16 @@ def tidy_answer(text: str) -> str:
 def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[str, str]],
                          report: Progress) -> list[tuple[str, int]]:  # fmt: skip
     """The training conversations as :func:`conversation_text` renders them."""
-    from whet.world.conversations import examples
+    from whet.world.conversations import examples, retrieval_ranker
 
+    rank = None
+    if recipe.lookalikes:
+        from whet.memory.index import open_embedder
+
+        rank = retrieval_ranker(open_embedder("minilm"))
     texts = []
-    for i, example in enumerate(examples(recipe.conversations, recipe.seed, chats=chats)):
+    made = examples(recipe.conversations, recipe.seed, chats=chats, rank=rank, lookalikes=recipe.lookalikes)
+    for i, example in enumerate(made):
         texts.append(conversation_text(tokenizer, example.messages, example.tools))
         if i % 16 == 0:
             report("data", i, recipe.conversations, {})
