@@ -209,7 +209,7 @@ def test_the_warm_start_deals_its_intents_in_even_rounds_the_calculator_twice(tm
 def test_the_warm_start_can_show_distractor_lessons_as_retrieval_ranks_them(tmp_path):
     """With a ranker, each request's distractors are the nearest to it of ``lookalikes`` times as many lessons
     of any personal intent, nearest first; the lesson that answers it (the ``lesson`` kind) is still shown beside them."""
-    from whet.memory.index import HashingEmbedder, lesson_keys
+    from whet.memory.index import HashingEmbedder, LessonIndex, lesson_keys
     from whet.world.conversations import BundledTools, ExampleMaker, retrieval_ranker
     from whet.world.tasks import NATURAL
 
@@ -242,7 +242,7 @@ def test_the_warm_start_can_show_distractor_lessons_as_retrieval_ranks_them(tmp_
         tools.close()
     embedder = HashingEmbedder()
     lesson = 'When asked "What time is it at home?": calling now({"timezone": "Lisbon"}) was right.'
-    [score] = retrieval_ranker(embedder)("What time is it at home?", [lesson])
+    [score] = retrieval_ranker(LessonIndex(embedder))("What time is it at home?", [lesson])
     assert abs(score - float(embedder.embed(["What time is it at home?"])[0] @ embedder.embed([lesson_keys(lesson)[0]])[0])) < 1e-5
     (tmp_path / "other").mkdir()
     tools = BundledTools(tmp_path / "other")

@@ -47,7 +47,7 @@ from whet.config.settings import AgentConfig
 from whet.learner.judge import correction_hint
 from whet.learner.lessons import lesson_text
 from whet.learner.prompt import openai_tool_spec, render_tool_result, with_hint, with_lessons
-from whet.memory.index import Embedder, lesson_keys
+from whet.memory.index import LessonIndex
 from whet.world.tasks import (
     DISTANCE_UNITS,
     GENERAL,
@@ -204,20 +204,13 @@ Ranker = Callable[[str, Sequence[str]], Sequence[float]]
 """(a request, lesson texts) -> each lesson's similarity to the request, as retrieval scores it."""
 
 
-def retrieval_ranker(embedder: Embedder) -> Ranker:
-    """A :data:`Ranker` that scores as the agent's lesson search does: a lesson by the closer of its keys
-    (:func:`~whet.memory.index.lesson_keys`) to the request, by ``embedder``'s cosine similarity."""
+def retrieval_ranker(index: LessonIndex) -> Ranker:
+    """A :data:`Ranker` that scores as ``index``'s lesson search does (:meth:`LessonIndex.scores`: a lesson by the
+    closer of its keys to the request)."""
 
     def rank(request: str, lessons: Sequence[str]) -> list[float]:
-        keys = [lesson_keys(text) for text in lessons]
-        flat = [key for group in keys for key in group]
-        vectors = embedder.embed([request, *flat])  # unit rows
-        scores = vectors[1:] @ vectors[0]
-        out, i = [], 0
-        for group in keys:
-            out.append(float(scores[i: i + len(group)].max()))
-            i += len(group)
-        return out
+        query = index.embedder.embed([request])  # [1, dim]
+        return [float(index.scores(query, text)[0]) for text in lessons]
 
     return rank
 

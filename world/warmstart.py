@@ -183,9 +183,9 @@ def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[s
 
     rank = None
     if recipe.lookalikes:
-        from whet.memory.index import open_embedder
+        from whet.memory.index import LessonIndex, open_embedder
 
-        rank = retrieval_ranker(open_embedder("minilm"))
+        rank = retrieval_ranker(LessonIndex(open_embedder("minilm")))
     texts = []
     made = examples(recipe.conversations, recipe.seed, chats=chats, rank=rank, lookalikes=recipe.lookalikes)
     for i, example in enumerate(made):
