@@ -383,7 +383,7 @@ class ExampleMaker:
             if avoid is not None and other.intent == avoid.intent and (
                     other.call == avoid.call or other.meta.get("person") == avoid.meta.get("person")):
                 continue  # the same request with another value would contradict the lesson that answers it
-            if other.personal or near is not None or any_personal or self.rng.random() < 0.5:
+            if other.personal or near is not None or self.rng.random() < 0.5:
                 out.append(self._lesson(other))
         return out
 

@@ -53,7 +53,8 @@ class Recipe:
     learning_rate: float = 1e-4
     layers: int | None = None  # train only the top N layers (None: all)
     # > 0: distractor lessons as retrieval ranks them, each the nearest by MiniLM of this many of any personal intent
-    # (world.conversations.ExampleMaker); 0: by neighbouring intent. Not measured on the bench yet (stop 78).
+    # (world.conversations.ExampleMaker); 0: by neighbouring intent. At 8, run FN (stop 78, the memory arm alone):
+    # jun kept its general tasks, alex did not and learned less (0.88 at 32); not the default.
     lookalikes: int = 0
     seed: int = 0
 
