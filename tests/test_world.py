@@ -253,6 +253,40 @@ def test_the_warm_start_can_show_distractor_lessons_as_retrieval_ranks_them(tmp_
         tools.close()
 
 
+def test_the_warm_start_ranks_the_distractors_of_the_kinds_it_is_told_and_can_show_general_requests_more(tmp_path):
+    """``ranked`` names the kinds whose distractor lessons are drawn as retrieval ranks them; ``general_lessons``,
+    how many general requests are shown distractor lessons at all."""
+    from whet.world.conversations import BundledTools, ExampleMaker
+    from whet.world.tasks import NATURAL
+
+    asked: list[str] = []
+
+    def rank(request, lessons):
+        asked.append(request)
+        return [0.0] * len(lessons)
+
+    tools = BundledTools(tmp_path)
+    try:
+        kinds: dict[str, list[bool]] = {}
+        maker = ExampleMaker(tools, 0, NATURAL, chats=[("Hi!", "Hello.")], rank=rank, lookalikes=3,
+                             ranked=("general",), general_lessons=1.0)  # fmt: skip
+        for _ in range(200):
+            before = len(asked)
+            example = maker.example()
+            shown = "\n- " in example.messages[0]["content"]
+            kinds.setdefault(example.kind, []).append(len(asked) > before)
+            if example.kind == "general":
+                assert shown and asked[-1] == example.messages[1]["content"]
+        assert len(kinds["general"]) > 30 and all(kinds["general"])
+        assert not any(ranked for kind, seen in kinds.items() if kind != "general" for ranked in seen)
+        assert {"lesson", "guess", "chat"} <= set(kinds)
+        for bad, match in (({"ranked": ("general", "gossip")}, "gossip"), ({"general_lessons": 1.5}, "general_lessons")):
+            with pytest.raises(ValueError, match=match):
+                ExampleMaker(tools, 0, NATURAL, rank=rank, lookalikes=3, **bad)
+    finally:
+        tools.close()
+
+
 def test_training_values_are_far_wider_than_what_the_simulated_users_say():
     from whet.servers.clock import resolve_timezone
     from whet.world.conversations import training_vocabulary

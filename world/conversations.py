@@ -197,6 +197,8 @@ THANKS_REPLIES = ("You're welcome!", "Glad to help.", "Any time!")
 ACKNOWLEDGEMENTS = ("Thanks!", "Great, thanks.", "Thank you!", "Thanks a lot.", "Cheers!", "Perfect.", "Nice, thanks.",
                     "Ok.", "Okay.", "OK, got it.", "Got it.", "Cool.", "Alright.", "Good to know.", "Sounds good.",
                     "Makes sense.", "That's right, thanks.", "Yes, that's it.", "Great.", "Fine.")
+# the kinds whose distractor lessons a ranker draws (ExampleMaker's ``ranked``)
+RANKED_KINDS = ("general", "guess", "lesson", "chat")
 ACK_REPLIES = ("Glad to help.", "Any time!", "Let me know if you need anything else.", "Happy to help.")
 
 
@@ -299,17 +301,23 @@ class ExampleMaker:
     """``chats``: (request, answer) pairs for the ``chat`` kind; without them that kind is not drawn.
 
     ``rank`` and ``lookalikes``: with a ranker, each distractor lesson is the nearest to the request, as retrieval
-    scores it, of ``lookalikes`` candidates of any personal intent (:meth:`_distractors`); without one,
-    distractors are drawn by neighbouring intent."""
+    scores it, of ``lookalikes`` candidates of any personal intent (:meth:`_distractors`), for the kinds
+    ``ranked`` names; otherwise distractors are drawn by neighbouring intent. ``general_lessons``: the share of
+    ``general`` requests shown distractor lessons at all."""
 
     def __init__(self, tools: BundledTools, seed: int, vocab: Vocabulary,
-                 chats: Sequence[tuple[str, str]] = (), rank: Ranker | None = None, lookalikes: int = 0) -> None:  # fmt: skip
+                 chats: Sequence[tuple[str, str]] = (), rank: Ranker | None = None, lookalikes: int = 0,
+                 ranked: Sequence[str] = RANKED_KINDS, general_lessons: float = 0.6) -> None:  # fmt: skip
         if rank is not None and lookalikes < 1:
             raise ValueError(f"lookalikes must be at least 1 with a ranker, not {lookalikes}")
+        if unknown := set(ranked) - set(KINDS):
+            raise ValueError(f"ranked names kinds that do not exist: {sorted(unknown)}; kinds are {sorted(KINDS)}")
+        if not 0 <= general_lessons <= 1:
+            raise ValueError(f"general_lessons is a share, from 0 to 1, not {general_lessons}")
         self.tools = tools
         self.vocab = vocab
         self.chats = list(chats)
-        self.rank, self.lookalikes = rank, lookalikes
+        self.rank, self.lookalikes, self.ranked, self.general_lessons = rank, lookalikes, set(ranked), general_lessons
         self.kinds = {k: w for k, w in KINDS.items() if k != "chat" or self.chats}
         self.rng = random.Random(seed)
         # a round of kinds, and of general intents; each deck holds what is left of its round (:meth:`_deal`)
@@ -387,6 +395,10 @@ class ExampleMaker:
                 out.append(self._lesson(other))
         return out
 
+    def _ranks(self, kind: str, request: str) -> str | None:
+        """``request``, where ``kind``'s distractors are drawn as retrieval ranks them (``ranked``); else None."""
+        return request if kind in self.ranked else None
+
     def _broken(self, call: ToolUse) -> ToolUse:
         """``call`` with one text argument written wrong, so that its tool refuses it."""
         keys = [k for k, v in call.arguments.items() if isinstance(v, str)]
@@ -402,7 +414,8 @@ class ExampleMaker:
         kind = self._deal("kinds", self._kind_round)
         if kind == "chat":
             request, answer = self.rng.choice(self.chats)
-            lessons = self._distractors(self.rng.randint(1, 3), None, request=request) if self.rng.random() < 0.4 else []
+            lessons = self._distractors(self.rng.randint(1, 3), None, request=self._ranks(kind, request)) \
+                if self.rng.random() < 0.4 else []
             messages = [{"role": "system", "content": with_lessons(self.system, lessons)},
                         {"role": "user", "content": request}, {"role": "assistant", "content": answer}]
             return Example(kind, messages, self.tools.specs)
@@ -413,15 +426,15 @@ class ExampleMaker:
         task = make_task(intent, self.rng, profile, heldout=self.rng.random() < 0.2, vocab=self.vocab)
         lessons: list[str] = []
         user = task.text
-        if kind in ("general", "guess") and self.rng.random() < 0.6:
+        if kind in ("general", "guess") and self.rng.random() < (self.general_lessons if kind == "general" else 0.6):
             lessons = self._distractors(self.rng.randint(1, 3), task if kind == "guess" else None, near=task,
-                                        request=task.text)  # fmt: skip
+                                        request=self._ranks(kind, task.text))  # fmt: skip
         elif kind == "lesson":
             # the lesson came from an earlier request of the same intent (and person), phrased differently
             same = replace(profile, people={task.meta["person"]: profile.people[task.meta["person"]]}) \
                 if "person" in task.meta else profile
             lesson = self._lesson(make_task(intent, self.rng, same, vocab=self.vocab))
-            lessons = self._distractors(self.rng.randint(0, 3), task, near=task, request=task.text)
+            lessons = self._distractors(self.rng.randint(0, 3), task, near=task, request=self._ranks(kind, task.text))
             # retrieval ranks by similarity, so the relevant lesson is usually first
             lessons.insert(0 if self.rng.random() < 0.7 else self.rng.randint(0, len(lessons)), lesson)
         elif kind == "hint":
@@ -463,16 +476,19 @@ def _preference_args(task: Task, vocab: Vocabulary, other: bool = False) -> dict
 
 
 def examples(n: int, seed: int = 0, vocab: Vocabulary | None = None, chats: Sequence[tuple[str, str]] = (),
-             rank: Ranker | None = None, lookalikes: int = 0) -> Iterator[Example]:  # fmt: skip
+             rank: Ranker | None = None, lookalikes: int = 0, ranked: Sequence[str] = RANKED_KINDS,
+             general_lessons: float = 0.6) -> Iterator[Example]:  # fmt: skip
     """``n`` training conversations, deterministic per seed (the clock is simulated).
 
     ``vocab``: the values tasks are made of (default :func:`training_vocabulary`); ``chats``:
-    (request, answer) pairs for the ``chat`` kind (none: no chat examples); ``rank``, ``lookalikes``:
-    distractor lessons as retrieval ranks them (:class:`ExampleMaker`)."""
+    (request, answer) pairs for the ``chat`` kind (none: no chat examples); ``rank``, ``lookalikes``, ``ranked``,
+    ``general_lessons``: distractor lessons as retrieval ranks them, and how many general requests see any
+    (:class:`ExampleMaker`)."""
     with tempfile.TemporaryDirectory(prefix="whet-sft-") as folder:
         tools = BundledTools(Path(folder))
         try:
-            maker = ExampleMaker(tools, seed, vocab or training_vocabulary(), chats, rank, lookalikes)
+            maker = ExampleMaker(tools, seed, vocab or training_vocabulary(), chats, rank, lookalikes, ranked,
+                                 general_lessons)  # fmt: skip
             for _ in range(n):
                 yield maker.example()
         finally:

@@ -56,6 +56,8 @@ class Recipe:
     # (world.conversations.ExampleMaker); 0: by neighbouring intent. At 8, run FN (stop 78, the memory arm alone):
     # jun kept its general tasks, alex did not and learned less (0.88 at 32); not the default.
     lookalikes: int = 0
+    ranked: tuple[str, ...] | None = None  # ... for these kinds of conversation (None: conversations.RANKED_KINDS)
+    general_lessons: float = 0.6  # the share of general requests shown distractor lessons
     seed: int = 0
 
 
@@ -180,7 +182,7 @@ def tidy_answer(text: str) -> str:
 def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[str, str]],
                          report: Progress) -> list[tuple[str, int]]:  # fmt: skip
     """The training conversations as :func:`conversation_text` renders them."""
-    from whet.world.conversations import examples, retrieval_ranker
+    from whet.world.conversations import RANKED_KINDS, examples, retrieval_ranker
 
     rank = None
     if recipe.lookalikes:
@@ -188,7 +190,8 @@ def render_conversations(tokenizer: Any, recipe: Recipe, chats: Sequence[tuple[s
 
         rank = retrieval_ranker(LessonIndex(open_embedder("minilm")))
     texts = []
-    made = examples(recipe.conversations, recipe.seed, chats=chats, rank=rank, lookalikes=recipe.lookalikes)
+    made = examples(recipe.conversations, recipe.seed, chats=chats, rank=rank, lookalikes=recipe.lookalikes,
+                    ranked=RANKED_KINDS if recipe.ranked is None else recipe.ranked, general_lessons=recipe.general_lessons)  # fmt: skip
     for i, example in enumerate(made):
         texts.append(conversation_text(tokenizer, example.messages, example.tools))
         if i % 16 == 0:
