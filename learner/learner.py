@@ -58,7 +58,6 @@ from whet.learner.gate import (
     PromotionGate,
     Replayed,
     encode_records,
-    load_regression_set,
     pinned_turns,
     read_records,
 )
@@ -159,6 +158,7 @@ class Learner:
         regression: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
         pinned: Sequence[PinnedAction] = (),
         rehearsal: Callable[[Any], list[tuple[list[int], list[int]]]] | None = None,
+        rehearsal_messages: Sequence[list[dict[str, Any]]] = (),
         lesson_check: LessonCheck | None = None,
         recall: Recall | None = None,
         index: LessonIndex | None = None,
@@ -184,6 +184,9 @@ class Learner:
         self._rehearsal_tools: list[set[str]] = []  # the tools each rehearsal item calls
         self._rehearsal_values: list[set[str]] = []  # ... and the text values its calls pass
         self._rehearsal_reads: list[str | None] = []  # ... and the tool whose result it answers from, if any
+        # the rehearsal set's prompts as messages, in the loader's order (for rehearsal.lessons; empty: not known)
+        self._rehearsal_given = list(rehearsal_messages)
+        self._rehearsal_messages: list[list[dict[str, Any]] | None] = []  # ... of each item kept
         # rehearsal.repair_calls' calls and answers, each with how many of its reply's tokens are watched; read once
         self._watched: list[tuple[tuple[list[int], list[int]], int]] | None = None
         self._regression: list[tuple[list[int], list[int]]] | None = None
@@ -589,11 +592,35 @@ class Learner:
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
                    for _, t in batch + replayed]
+        rehearsal = await self._rehearsal_shown(version, batch[0][1].user_id, [*batch, *replayed])
         state = await anyio.to_thread.run_sync(
-            self._step_limited, version, folder, live, batch, held, lessons, replayed, limiter=self._limiter
+            self._step_limited, version, folder, live, batch, held, lessons, replayed, rehearsal, limiter=self._limiter
         )
         await self._finish(version, scope, user_id, folder / version, state)
         return version
+
+    async def _rehearsal_shown(self, version: str, user_id: str, turns: list[tuple[Judgment, Turn]]
+                               ) -> tuple[list[tuple[list[int], list[int]]], int]:  # fmt: skip
+        """The rehearsal items the step learns (:meth:`_rehearsal_for`) and how many of them show lessons: with
+        ``learner.rehearsal.lessons``, each on the prompt the agent would build for its request now, with the
+        lessons ``user_id`` would be shown (:func:`relessoned`; a prompt that cannot be rebuilt stays as written)."""
+        if self._rehearsal_loader is not None and self._make_trainer is not None and self._trainer is None:
+            await anyio.to_thread.run_sync(self._prepare_limited, limiter=self._limiter)  # the set's tools and replies
+        called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
+        passed = {v for _, t in turns for v in turn_call_values(t)}
+        picked = self._rehearsal_for(version, called, passed)
+        items = [self._rehearsal[i] for i in picked]
+        if not (self.config.rehearsal.lessons and self._recall and self._trainer and self._rehearsal_messages):
+            return items, 0
+        shown = 0
+        for n, i in enumerate(picked):
+            messages = self._rehearsal_messages[i]
+            lessons = await self._recall(user_id, last_user_text(messages)) if messages else []
+            if messages and lessons:
+                rebuilt = relessoned(self._trainer.tokenizer, messages, items[n][0], lessons)
+                if rebuilt is not None:
+                    items[n], shown = (rebuilt[1], items[n][1]), shown + 1
+        return items, shown
 
     async def _replayed_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
         """The earlier hinted samples of ``user_id``'s lineage a step trains again beside its batch, newest
@@ -633,8 +660,12 @@ class Learner:
                 # are), run K's gate let through steps that took general tasks from 0.94 to 0.62
                 self._regression = self._regression_loader(self._trainer.tokenizer)
             if self._rehearsal_loader is not None:
-                self._rehearsal = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer),
-                                                 tick=self._worked)
+                items = self_distilled(self._trainer, self._rehearsal_loader(self._trainer.tokenizer), tick=self._worked,
+                                       keep_empty=True)  # fmt: skip
+                given = self._rehearsal_given if len(self._rehearsal_given) == len(items) else [None] * len(items)
+                kept = [i for i, (_, response) in enumerate(items) if response]
+                self._rehearsal = [items[i] for i in kept]
+                self._rehearsal_messages = [given[i] for i in kept]
                 self._rehearsal_tools = [_called(self._trainer.tokenizer, r) for _, r in self._rehearsal]
                 self._rehearsal_values = [_called_values(self._trainer.tokenizer, r) for _, r in self._rehearsal]
                 self._rehearsal_reads = [_reads(self._trainer.tokenizer, p) for p, _ in self._rehearsal]
@@ -651,10 +682,11 @@ class Learner:
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]], lessons: list[list[str] | None],
-                   replayed: list[tuple[Judgment, Turn]]) -> dict[str, Any]:  # fmt: skip
+                   replayed: list[tuple[Judgment, Turn]],
+                   drawn: tuple[list[tuple[list[int], list[int]]], int]) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_replayed_hints`),
-        :meth:`_sample`'s."""
+        :meth:`_sample`'s; ``drawn``: the rehearsal items and how many show lessons (:meth:`_rehearsal_shown`)."""
         clock = PhaseClock(self._begun)
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
             trainer = self._trainer_now()
@@ -672,9 +704,7 @@ class Learner:
             before = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
-        called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
-        passed = {v for _, t in turns for v in turn_call_values(t)}
-        rehearsal = self._rehearsal_for(version, called, passed)
+        rehearsal, rehearsal_shown = drawn
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
                                  self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal),
@@ -705,6 +735,7 @@ class Learner:
             "replayed": [t.id for _, t in replayed],  # earlier hints taught again, consumed by their own steps
             # samples trained on a prompt with other lessons than they were served with
             "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, turns, strict=True)),
+            "rehearsal_lessoned": rehearsal_shown,  # rehearsal items learned with lessons shown (rehearsal.lessons)
             "baseline": baseline.to_dict(),
             "train": stats,
             # the rehearsal set's small talk within repair_margin of a call, and its watched calls no longer written
@@ -732,10 +763,10 @@ class Learner:
         self._hook("after_save")
         return state
 
-    def _rehearsal_for(self, version: str, tools: set[str], passed: set[str]) -> list[tuple[list[int], list[int]]]:
-        picked = rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version,
-                                self._rehearsal_values, passed, self._rehearsal_reads)  # fmt: skip
-        return [self._rehearsal[i] for i in picked]
+    def _rehearsal_for(self, version: str, tools: set[str], passed: set[str]) -> list[int]:
+        """Which of the rehearsal set a step learns (:func:`rehearsal_draw`)."""
+        return rehearsal_draw(self._rehearsal_tools, self.config.rehearsal.per_step, tools, version,
+                              self._rehearsal_values, passed, self._rehearsal_reads)  # fmt: skip
 
     def _anchor(self, trainer: LoraTrainer, rehearsal: list[tuple[list[int], list[int]]]) -> Anchor | None:
         """``learner.rehearsal.anchor_weight``: the rehearsal set's small talk, whose odds of opening with a tool
@@ -1235,18 +1266,20 @@ def misled_lessons(request: Sequence[Turn], hint: str, lessons: Sequence[Lesson]
 
 
 def self_distilled(trainer: LoraTrainer, items: list[tuple[list[int], list[int]]], max_tokens: int = 64,
-                   tick: Callable[[], None] | None = None) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+                   tick: Callable[[], None] | None = None, keep_empty: bool = False) -> list[tuple[list[int], list[int]]]:  # fmt: skip
     """The rehearsal set with each reply that is not a tool call replaced by the base model's own
     (greedy, before any training): rehearsal then keeps how this model already talks instead of
     teaching it the set's wording, which moved the gate's pinned small talk ("Hello!" fell 0.69
     nats/token in one step). Tool calls keep the set's text: the right call is the skill. The replies are
     decoded together (:meth:`LoraTrainer.greedy_actions`, the prompts' shared prefix read once); ``tick``: called
-    after each reply the model wrote (the set holds dozens; a batch is seconds to a minute on one slow core)."""
+    after each reply the model wrote (the set holds dozens; a batch is seconds to a minute on one slow core).
+    An item the model answers with nothing is left out (``keep_empty``: kept, its reply empty, so the result lines
+    up with ``items``)."""
     asked = [i for i, (_, response) in enumerate(items) if TOOL_CALL_OPEN not in trainer.tokenizer.decode(response)]
     written = dict(zip(asked, trainer.greedy_actions([items[i][0] for i in asked], [max_tokens] * len(asked), tick=tick),
                        strict=True))  # fmt: skip
     out = [(prompt, written.get(i, list(response))) for i, (prompt, response) in enumerate(items)]
-    return [(prompt, response) for prompt, response in out if response]
+    return out if keep_empty else [(prompt, response) for prompt, response in out if response]
 
 
 def _parent_state(live: Adapter | None) -> dict[str, Any]:
@@ -1317,6 +1350,7 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         judge = ComposedJudge(judge, LLMJudge(chat, votes=j.votes, temperature=j.temperature))
     regression = regression_path(learner.gate.regression_set)
     rehearsal = rehearsal_path(learner.rehearsal.set)
+    rehearsed = read_records(rehearsal, "learner.rehearsal.set") if rehearsal else []  # read once, at start
     trainer = None
     if config.model.backend == "openai":
         log.info("the openai backend cannot change weights: the learner keeps lessons only")
@@ -1347,8 +1381,8 @@ def open_learner(config: WhetConfig, store: Store, bus: Bus, *, chat: ChatModel 
         trainer=trainer,
         regression=(lambda tokenizer: encode_records(records, tokenizer)) if regression else None,
         pinned=[turn.action for turn in pinned],
-        rehearsal=(lambda tokenizer: load_regression_set(rehearsal, tokenizer, "learner.rehearsal.set"))
-        if rehearsal else None,
+        rehearsal=(lambda tokenizer: encode_records(rehearsed, tokenizer)) if rehearsal else None,
+        rehearsal_messages=[r["messages"] for r in rehearsed],
         lesson_check=check,
         recall=(lambda user_id, query: recall(index, config.agent, user_id, query)) if index is not None else None,
         index=index,

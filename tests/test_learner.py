@@ -15,7 +15,7 @@ import torch
 
 from whet.config.settings import LearnerConfig, LoraConfig
 from whet.learner import trainer as trainer_module
-from whet.learner.gate import PinnedAction
+from whet.learner.gate import PinnedAction, encode_records
 from whet.learner.judge import REQUERY_HINT, WRONG_HINT, RulesJudge
 from whet.learner.learner import REPAIR_REACH, TRAINER_STATE, Learner, _answer_form, _answer_window
 from whet.learner.model import stop_token_ids
@@ -1222,6 +1222,51 @@ async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now
 
 def now_call(city: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": "now", "arguments": {"timezone": city}}) + "\n</tool_call>"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("lessons", [True, False])
+async def test_rehearsal_can_show_each_drawn_item_the_lessons_its_request_would_be_shown_now(
+    tiny_model, tmp_path, store, monkeypatch, lessons
+):
+    """learner.rehearsal.lessons: a general request beside the user's lesson that only reads like it is rehearsed
+    with that lesson in its prompt, so that the weights learn to answer it as it asks."""
+    asked, rehearsed = [], []
+    lesson = "When asked \"Remind me to call Tom.\": the user keeps reminders on the errands list"
+
+    async def recall(user_id: str, query: str) -> list[str]:
+        asked.append((user_id, query))
+        return [lesson] if "reminders" in query else []
+
+    call = "<tool_call>\n" + json.dumps({"name": "add_note", "arguments": {"text": "buy milk", "list_name": "reminders"}}) \
+        + "\n</tool_call>"
+    records = [{"messages": [SYSTEM, {"role": "user", "content": "Put buy milk on the reminders list."}], "response": call},
+               {"messages": [SYSTEM, {"role": "user", "content": "What time is it in Oslo?"}], "response": now_call("Oslo")}]
+    monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, baseline, rehearsal=(), *a, **k:
+                        rehearsed.extend(rehearsal) or {})  # fmt: skip
+    config = learner_config(rehearsal={"per_step": 2, "lessons": lessons, "anchor_weight": 0.0})
+    learner = make_learner(config, store, MemoryBus(), tiny_model, tmp_path, recall=recall,
+                           rehearsal=lambda tokenizer: encode_records(records, tokenizer),
+                           rehearsal_messages=[r["messages"] for r in records])  # fmt: skip
+    encoder = new_trainer(tiny_model)
+    for q in QUESTIONS:
+        await judged_turn(store, encoder, q, GOOD, +1, "train")
+    [version] = await learner.train_ready()
+    state = json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+    assert state["rehearsal_lessoned"] == (1 if lessons else 0)
+    tok = encoder.tokenizer
+    written = {r["messages"][1]["content"]: r for r in records}
+    prompts = {tok.decode(p): tok.decode(r) for p, r in rehearsed}
+    assert len(prompts) == 2 and set(prompts.values()) == {tok.decode(tok.encode(r["response"] + tok.eos_token,
+                                                                                   add_special_tokens=False))
+                                                           for r in records}  # fmt: skip
+    milk = written["Put buy milk on the reminders list."]["messages"]
+    expected = prompt_with_lessons(milk, [lesson], "") if lessons else milk
+    assert prompt_text(tok, expected, None) in prompts
+    assert prompt_text(tok, written["What time is it in Oslo?"]["messages"], None) in prompts  # nothing shown: as written
+    rehearsal_asked = {q for _, q in asked} & set(written)
+    assert rehearsal_asked == (set(written) if lessons else set())
+    assert all(user == "alice" for user, _ in asked)
 
 
 @pytest.mark.anyio
