@@ -414,9 +414,9 @@ class RehearsalConfig(Section):
     # distributions (adapter off) along their replies, times this: the whole distribution held, not one reply's
     # tokens (bench/weights_drift.py measures what a step learns against what it moves the gate's pinned set)
     kl_weight: float = Field(0.0, ge=0.0)
-    # each drawn item is rehearsed on the prompt the agent would build for its request now, with the lessons it
-    # would show there (the step's user's; learner.lessons and learner.relesson on): a general request beside a
-    # lesson that only reads like it is still answered as it asks, as the weights learn the lessons' own requests
+    # each drawn item whose request would be shown lessons now (the step's user's; learner.lessons and
+    # learner.relesson on) is also rehearsed on the prompt the agent would build with them: a general request beside
+    # a lesson that only reads like it is still answered as it asks, as the weights learn the lessons' own requests
     lessons: bool = False
 
 

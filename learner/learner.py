@@ -601,9 +601,12 @@ class Learner:
 
     async def _rehearsal_shown(self, version: str, user_id: str, turns: list[tuple[Judgment, Turn]]
                                ) -> tuple[list[tuple[list[int], list[int]]], int]:  # fmt: skip
-        """The rehearsal items the step learns (:meth:`_rehearsal_for`) and how many of them show lessons: with
-        ``learner.rehearsal.lessons``, each on the prompt the agent would build for its request now, with the
-        lessons ``user_id`` would be shown (:func:`relessoned`; a prompt that cannot be rebuilt stays as written)."""
+        """The rehearsal items the step learns (:meth:`_rehearsal_for`), and how many of them were added showing
+        lessons: with ``learner.rehearsal.lessons``, each drawn item whose request ``user_id`` would be shown
+        lessons now is learned a second time beside it, on the prompt the agent would build for it with them
+        (:func:`relessoned`; one that cannot be rebuilt is not added). The plain prompt stays: it is what the
+        gate's pinned turns ask. Learned only with lessons (run FP, stop 79), alex's first step lost a pinned date
+        sum and was turned away."""
         if self._rehearsal_loader is not None and self._make_trainer is not None and self._trainer is None:
             await anyio.to_thread.run_sync(self._prepare_limited, limiter=self._limiter)  # the set's tools and replies
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
@@ -612,15 +615,14 @@ class Learner:
         items = [self._rehearsal[i] for i in picked]
         if not (self.config.rehearsal.lessons and self._recall and self._trainer and self._rehearsal_messages):
             return items, 0
-        shown = 0
-        for n, i in enumerate(picked):
+        shown: list[tuple[list[int], list[int]]] = []
+        for (prompt, reply), i in zip(items, picked, strict=True):
             messages = self._rehearsal_messages[i]
             lessons = await self._recall(user_id, last_user_text(messages)) if messages else []
-            if messages and lessons:
-                rebuilt = relessoned(self._trainer.tokenizer, messages, items[n][0], lessons)
-                if rebuilt is not None:
-                    items[n], shown = (rebuilt[1], items[n][1]), shown + 1
-        return items, shown
+            rebuilt = relessoned(self._trainer.tokenizer, messages, prompt, lessons) if messages and lessons else None
+            if rebuilt is not None:
+                shown.append((rebuilt[1], reply))
+        return items + shown, len(shown)
 
     async def _replayed_hints(self, user_id: str | None, live: Adapter | None) -> list[tuple[Judgment, Turn]]:
         """The earlier hinted samples of ``user_id``'s lineage a step trains again beside its batch, newest
@@ -735,7 +737,7 @@ class Learner:
             "replayed": [t.id for _, t in replayed],  # earlier hints taught again, consumed by their own steps
             # samples trained on a prompt with other lessons than they were served with
             "relessoned": sum(s.prompt_ids != t.prompt_token_ids for s, (_, t) in zip(samples, turns, strict=True)),
-            "rehearsal_lessoned": rehearsal_shown,  # rehearsal items learned with lessons shown (rehearsal.lessons)
+            "rehearsal_lessoned": rehearsal_shown,  # rehearsal items learned again with lessons shown (rehearsal.lessons)
             "baseline": baseline.to_dict(),
             "train": stats,
             # the rehearsal set's small talk within repair_margin of a call, and its watched calls no longer written

@@ -1230,7 +1230,7 @@ async def test_rehearsal_can_show_each_drawn_item_the_lessons_its_request_would_
     tiny_model, tmp_path, store, monkeypatch, lessons
 ):
     """learner.rehearsal.lessons: a general request beside the user's lesson that only reads like it is rehearsed
-    with that lesson in its prompt, so that the weights learn to answer it as it asks."""
+    with that lesson in its prompt too, so that the weights learn to answer it as it asks."""
     asked, rehearsed = [], []
     lesson = "When asked \"Remind me to call Tom.\": the user keeps reminders on the errands list"
 
@@ -1257,12 +1257,12 @@ async def test_rehearsal_can_show_each_drawn_item_the_lessons_its_request_would_
     tok = encoder.tokenizer
     written = {r["messages"][1]["content"]: r for r in records}
     prompts = {tok.decode(p): tok.decode(r) for p, r in rehearsed}
-    assert len(prompts) == 2 and set(prompts.values()) == {tok.decode(tok.encode(r["response"] + tok.eos_token,
+    assert len(prompts) == (3 if lessons else 2) and set(prompts.values()) == {tok.decode(tok.encode(r["response"] + tok.eos_token,
                                                                                    add_special_tokens=False))
                                                            for r in records}  # fmt: skip
     milk = written["Put buy milk on the reminders list."]["messages"]
-    expected = prompt_with_lessons(milk, [lesson], "") if lessons else milk
-    assert prompt_text(tok, expected, None) in prompts
+    assert prompt_text(tok, milk, None) in prompts  # as written, what the gate's pinned turns ask, and ...
+    assert (prompt_text(tok, prompt_with_lessons(milk, [lesson], ""), None) in prompts) is lessons  # ... with the lesson
     assert prompt_text(tok, written["What time is it in Oslo?"]["messages"], None) in prompts  # nothing shown: as written
     rehearsal_asked = {q for _, q in asked} & set(written)
     assert rehearsal_asked == (set(written) if lessons else set())
