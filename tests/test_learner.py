@@ -1191,6 +1191,16 @@ def test_a_recorded_prompt_relessoned_is_the_prompt_the_agent_would_build_with_t
     assert tokenizer.decode(split) == tokenizer.decode(then[1]) and relessoned(tokenizer, then[0], split, []) is None
 
 
+async def one_good_step(learner: Learner, store: Store, model: Path, root: Path) -> tuple[LoraTrainer, dict]:
+    """Each of QUESTIONS answered GOOD and thanked, then one step of ``learner`` (adapters under ``root``): an
+    encoder of ``model``, and the step's trainer state."""
+    encoder = new_trainer(model)
+    for q in QUESTIONS:
+        await judged_turn(store, encoder, q, GOOD, +1, "train")
+    [version] = await learner.train_ready()
+    return encoder, json.loads((root / "global" / version / TRAINER_STATE).read_text())
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("relesson", [True, False])
 async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now(
@@ -1204,11 +1214,7 @@ async def test_a_step_trains_each_sample_on_the_lessons_its_request_is_shown_now
 
     monkeypatch.setattr(LoraTrainer, "step", lambda self, samples, *a, **k: trained.extend(samples) or {})
     learner = make_learner(learner_config(relesson=relesson), store, MemoryBus(), tiny_model, tmp_path, recall=recall)
-    encoder = new_trainer(tiny_model)
-    for q in QUESTIONS:
-        await judged_turn(store, encoder, q, GOOD, +1, "train")
-    [version] = await learner.train_ready()
-    state = json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+    encoder, state = await one_good_step(learner, store, tiny_model, tmp_path)
     assert state["relessoned"] == (4 if relesson else 0)
     prompts = [encoder.tokenizer.decode(s.prompt_ids) for s in trained]
     assert len(prompts) == 4
@@ -1248,11 +1254,7 @@ async def test_rehearsal_can_show_each_drawn_item_the_lessons_its_request_would_
     learner = make_learner(config, store, MemoryBus(), tiny_model, tmp_path, recall=recall,
                            rehearsal=lambda tokenizer: encode_records(records, tokenizer),
                            rehearsal_messages=[r["messages"] for r in records])  # fmt: skip
-    encoder = new_trainer(tiny_model)
-    for q in QUESTIONS:
-        await judged_turn(store, encoder, q, GOOD, +1, "train")
-    [version] = await learner.train_ready()
-    state = json.loads((tmp_path / "global" / version / TRAINER_STATE).read_text())
+    encoder, state = await one_good_step(learner, store, tiny_model, tmp_path)
     assert state["rehearsal_lessoned"] == (1 if lessons else 0)
     tok = encoder.tokenizer
     written = {r["messages"][1]["content"]: r for r in records}
