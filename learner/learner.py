@@ -592,34 +592,31 @@ class Learner:
         # the lessons each request is shown now; None: train on the prompt as recorded
         lessons = [await self._recall(t.user_id, last_user_text(t.prompt_messages)) if self._recall else None
                    for _, t in batch + replayed]
-        rehearsal = await self._rehearsal_shown(version, batch[0][1].user_id, [*batch, *replayed])
         state = await anyio.to_thread.run_sync(
-            self._step_limited, version, folder, live, batch, held, lessons, replayed, rehearsal, limiter=self._limiter
+            self._step_limited, version, folder, live, batch, held, lessons, replayed, limiter=self._limiter
         )
         await self._finish(version, scope, user_id, folder / version, state)
         return version
 
-    async def _rehearsal_shown(self, version: str, user_id: str, turns: list[tuple[Judgment, Turn]]
-                               ) -> tuple[list[tuple[list[int], list[int]]], int]:  # fmt: skip
+    def _rehearsal_shown(self, trainer: LoraTrainer, version: str, user_id: str, turns: list[tuple[Judgment, Turn]]
+                         ) -> tuple[list[tuple[list[int], list[int]]], int]:  # fmt: skip
         """The rehearsal items the step learns (:meth:`_rehearsal_for`), and how many of them were added showing
         lessons: with ``learner.rehearsal.lessons``, each drawn item whose request ``user_id`` would be shown
         lessons now is learned a second time beside it, on the prompt the agent would build for it with them
         (:func:`relessoned`; one that cannot be rebuilt is not added). The plain prompt stays: it is what the
         gate's pinned turns ask. Learned only with lessons (run FP, stop 79), alex's first step lost a pinned date
-        sum and was turned away."""
-        if self._rehearsal_loader is not None and self._make_trainer is not None and self._trainer is None:
-            await anyio.to_thread.run_sync(self._prepare_limited, limiter=self._limiter)  # the set's tools and replies
+        sum and was turned away. Runs in the training thread; the lessons are recalled on the event loop."""
         called = {c["function"]["name"] for _, t in turns for c in t.tool_calls if c.get("function", {}).get("name")}
         passed = {v for _, t in turns for v in turn_call_values(t)}
         picked = self._rehearsal_for(version, called, passed)
         items = [self._rehearsal[i] for i in picked]
-        if not (self.config.rehearsal.lessons and self._recall and self._trainer and self._rehearsal_messages):
+        if not (self.config.rehearsal.lessons and self._recall and self._rehearsal_messages):
             return items, 0
         shown: list[tuple[list[int], list[int]]] = []
         for (prompt, reply), i in zip(items, picked, strict=True):
             messages = self._rehearsal_messages[i]
-            lessons = await self._recall(user_id, last_user_text(messages)) if messages else []
-            rebuilt = relessoned(self._trainer.tokenizer, messages, prompt, lessons) if messages and lessons else None
+            lessons = anyio.from_thread.run(self._recall, user_id, last_user_text(messages)) if messages else []
+            rebuilt = relessoned(trainer.tokenizer, messages, prompt, lessons) if messages and lessons else None
             if rebuilt is not None:
                 shown.append((rebuilt[1], reply))
         return items + shown, len(shown)
@@ -684,11 +681,10 @@ class Learner:
 
     def _step_sync(self, version: str, folder: Path, live: Adapter | None, batch: list[tuple[Judgment, Turn]],
                    held: list[tuple[int, list[int], list[int]]], lessons: list[list[str] | None],
-                   replayed: list[tuple[Judgment, Turn]],
-                   drawn: tuple[list[tuple[list[int], list[int]]], int]) -> dict[str, Any]:  # fmt: skip
+                   replayed: list[tuple[Judgment, Turn]]) -> dict[str, Any]:  # fmt: skip
         """Runs in the training thread: replay, one step, replay, save atomically. ``lessons``: per
         turn of ``batch`` then ``replayed`` (earlier hints trained again, see :meth:`_replayed_hints`),
-        :meth:`_sample`'s; ``drawn``: the rehearsal items and how many show lessons (:meth:`_rehearsal_shown`)."""
+        :meth:`_sample`'s."""
         clock = PhaseClock(self._begun)
         with clock("start"):  # the first step's includes loading the model and self-distilling rehearsal
             trainer = self._trainer_now()
@@ -706,7 +702,7 @@ class Learner:
             before = trainer.mean_logprobs([(p, r) for _, p, r in held])
             reg_before, kept_before, live_replies = self._regression_before(trainer, live.id if live else None, regression)
         self._hook("before_step")
-        rehearsal, rehearsal_shown = drawn
+        rehearsal, rehearsal_shown = self._rehearsal_shown(trainer, version, batch[0][1].user_id, turns)
         with clock("train"):
             stats = trainer.step(samples, baseline.value, rehearsal, self.config.rehearsal.weight,
                                  self.config.rehearsal.first_token_weight, self._anchor(trainer, rehearsal),
